@@ -1,0 +1,8 @@
+"""omlx core library: everything the `omlx` command does, usable from Python."""
+
+from importlib.metadata import PackageNotFoundError, version
+
+try:
+    __version__ = version("omlx")
+except PackageNotFoundError:  # running from a source tree without installing
+    __version__ = "0.0.0+unknown"
