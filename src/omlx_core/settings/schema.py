@@ -1,0 +1,172 @@
+"""The typed settings schema: every key omlx reads, its type, default and meaning.
+
+A key is `section.name`. Values come from the command line and the environment as
+text (`parse`) and from JSON files as JSON values (`validate`); both give the same
+typed value or an InputError that names the key, what it expects and close matches.
+"""
+
+import difflib
+from dataclasses import dataclass
+from typing import Any
+
+from omlx_core.errors import InputError
+from omlx_core.units import parse_count, parse_memory
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off"}
+
+
+@dataclass(frozen=True)
+class Setting:
+    key: str
+    kind: str  # str | int | float | bool | count | memory | choice | list
+    default: Any
+    help: str
+    choices: tuple[str, ...] = ()
+    minimum: float | None = None
+    maximum: float | None = None
+    nullable: bool = False
+    secret: bool = False
+
+    @property
+    def section(self) -> str:
+        return self.key.split(".", 1)[0]
+
+    @property
+    def env_name(self) -> str:
+        return "OMLX_" + self.key.replace(".", "_").upper()
+
+    @property
+    def expects(self) -> str:
+        """What a valid value looks like, for error messages and help."""
+        described = {
+            "str": "a string",
+            "int": "an integer",
+            "float": "a number",
+            "bool": "true or false",
+            "count": "a length such as 4096 or 16k",
+            "memory": "a memory size such as 8GB, 512MiB or a fraction such as 0.9",
+            "choice": "one of " + ", ".join(self.choices),
+            "list": "a comma-separated list"
+            + (" of " + ", ".join(self.choices) if self.choices else ""),
+        }[self.kind]
+        if self.minimum is not None and self.maximum is not None:
+            described += f" in [{self.minimum:g}, {self.maximum:g}]"
+        elif self.minimum is not None:
+            described += f" ≥ {self.minimum:g}"
+        return described + (" (or none)" if self.nullable else "")
+
+    def _bad(self, value: Any) -> InputError:
+        return InputError(f"{self.key}: invalid value {value!r}; expected {self.expects}")
+
+    def parse(self, text: str) -> Any:
+        """A value typed by a person (CLI argument or environment variable)."""
+        raw = text.strip()
+        if self.nullable and raw.lower() in ("", "none", "null"):
+            return None
+        try:
+            if self.kind == "bool":
+                if raw.lower() in _TRUE:
+                    return True
+                if raw.lower() in _FALSE:
+                    return False
+                raise self._bad(text)
+            if self.kind == "int":
+                return self.validate(int(raw))
+            if self.kind == "float":
+                return self.validate(float(raw))
+            if self.kind == "count":
+                return self.validate(parse_count(raw, self.key))
+            if self.kind == "memory":
+                return self.validate(parse_memory(raw, self.key))
+            if self.kind == "list":
+                return self.validate([item.strip() for item in raw.split(",") if item.strip()])
+        except (ValueError, InputError):
+            raise self._bad(text) from None
+        return self.validate(raw)
+
+    def validate(self, value: Any) -> Any:
+        """A value read from a JSON file; returns it normalized or raises InputError."""
+        if value is None:
+            if self.nullable:
+                return None
+            raise self._bad(value)
+        kind = self.kind
+        if kind == "bool":
+            ok = isinstance(value, bool)
+        elif kind in ("int", "count"):
+            ok = isinstance(value, int) and not isinstance(value, bool)
+        elif kind == "float":
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+            value = float(value) if ok else value
+        elif kind == "memory":
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
+            ok = ok and (isinstance(value, int) or value <= 1)
+        elif kind == "choice":
+            ok = value in self.choices
+        elif kind == "list":
+            ok = isinstance(value, list) and all(isinstance(item, str) for item in value)
+            ok = ok and (not self.choices or all(item in self.choices for item in value))
+        else:
+            ok = isinstance(value, str)
+        if ok and kind in ("int", "float", "count"):
+            ok = (self.minimum is None or value >= self.minimum) and (
+                self.maximum is None or value <= self.maximum
+            )
+        if not ok:
+            raise self._bad(value)
+        return list(value) if kind == "list" else value
+
+    def show(self, value: Any) -> str:
+        """A value as text, secrets masked."""
+        if self.secret and value:
+            return "****"
+        if value is None:
+            return "none"
+        if isinstance(value, bool):
+            return "true" if value else "false"
+        if isinstance(value, list):
+            return ",".join(value)
+        return str(value)
+
+
+SETTINGS: tuple[Setting, ...] = (
+    Setting("server.host", "str", "127.0.0.1", "Address omlx serve listens on."),
+    Setting("server.port", "int", 8000, "TCP port omlx serve listens on.", minimum=1, maximum=65535),
+    Setting("server.api_key", "str", None, "Bearer key clients must send; none disables auth.",
+            nullable=True, secret=True),
+    Setting("server.max_concurrency", "int", 8, "Requests decoded together in one batch.", minimum=1),
+    Setting("server.max_queue", "int", 64, "Requests waiting beyond the batch before 503.", minimum=0),
+    Setting("memory.soft_watermark", "memory", 0.80,
+            "Above this share of memory, new requests wait for running ones to finish."),
+    Setting("memory.hard_watermark", "memory", 0.90,
+            "A request whose KV cache would cross this is refused with 507."),
+    Setting("prefill.chunk_size", "count", 2048, "Prompt tokens processed per prefill step.",
+            minimum=16),
+    Setting("prefill.lanes", "list", ["gpu"], "Compute lanes prefill may split linears across.",
+            choices=("gpu", "cpu", "ane")),
+    Setting("prefill.cpu_sharing", "bool", False,
+            "Experimental: run a share of prefill projections on the CPU lane (FP16 clones only)."),
+    Setting("models.default", "str", "default", "Model used when a command names none."),
+    Setting("models.pinned", "list", [], "Models omlx serve keeps loaded."),
+    Setting("cluster.enabled", "bool", False, "Experimental: distributed inference over enrolled workers."),
+    Setting("logging.level", "choice", "warning", "Log verbosity.",
+            choices=("debug", "info", "warning", "error")),
+    Setting("logging.file", "str", None, "Also append logs to this file.", nullable=True),
+)
+
+BY_KEY: dict[str, Setting] = {setting.key: setting for setting in SETTINGS}
+SECTIONS: tuple[str, ...] = tuple(dict.fromkeys(setting.section for setting in SETTINGS))
+
+
+def lookup(key: str) -> Setting:
+    """The setting for a dotted key, or an InputError that suggests close matches."""
+    if key in BY_KEY:
+        return BY_KEY[key]
+    close = difflib.get_close_matches(key, BY_KEY, n=3, cutoff=0.5)
+    hint = f"; did you mean {', '.join(close)}?" if close else "; see `omlx settings show`"
+    raise InputError(f"unknown setting {key!r}{hint}")
+
+
+def defaults() -> dict[str, Any]:
+    return {setting.key: setting.default for setting in SETTINGS}
