@@ -38,22 +38,24 @@ def parse_counts(text: str, what: str = "value") -> list[int]:
 def parse_memory(text: str | int | float, what: str = "value") -> int | float:
     """Memory as bytes (`8GB`, `512MiB`, `1073741824`) or a fraction of RAM (`0.9`).
 
-    Returns an int of bytes, or a float in (0, 1] for a fraction.
+    A number with a decimal point and no unit is a fraction and must lie in (0, 1].
+    Returns an int of bytes, or a float fraction.
     """
+    bad = InputError(f"{what}: {text!r} is not a memory size (use e.g. 8GB, 512MiB, or 0.9 of RAM)")
     if isinstance(text, bool):
-        raise InputError(f"{what}: {text!r} is not a memory size (use e.g. 8GB, 512MiB, 0.9)")
-    if isinstance(text, float) or (isinstance(text, str) and re.fullmatch(r"\s*0?\.\d+\s*|\s*1\.0*\s*", text)):
-        fraction = float(text)
-        if not 0 < fraction <= 1:
-            raise InputError(f"{what}: fraction {text!r} must be in (0, 1]")
-        return fraction
+        raise bad
     if isinstance(text, int):
         return text
-    match = _NUMBER.match(text)
-    suffix = match.group(2).lower() if match else None
-    if not match or suffix not in _BYTE_SUFFIX:
-        raise InputError(f"{what}: {text!r} is not a memory size (use e.g. 8GB, 512MiB, 0.9)")
-    return int(float(match.group(1)) * _BYTE_SUFFIX[suffix])
+    match = _NUMBER.match(str(text))
+    if not match or match.group(2).lower() not in _BYTE_SUFFIX:
+        raise bad
+    number, suffix = match.group(1), match.group(2).lower()
+    if isinstance(text, float) or ("." in number and not suffix):
+        fraction = float(number)
+        if not 0 < fraction <= 1:
+            raise InputError(f"{what}: fraction {text!r} must be in (0, 1]; for bytes add a unit (8GB)")
+        return fraction
+    return int(float(number) * _BYTE_SUFFIX[suffix])
 
 
 def format_bytes(n: int | float | None) -> str:

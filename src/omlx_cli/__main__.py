@@ -1,0 +1,3 @@
+from omlx_cli.main import run
+
+run()
