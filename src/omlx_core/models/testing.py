@@ -228,6 +228,9 @@ def build_tiny_tokenizer(dest: Path, vocab_size: int) -> None:
     """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+    smallest = len(SPECIAL_TOKENS) + 256
+    if vocab_size < smallest:
+        raise InputError(f"a tiny tokenizer has at least {smallest} tokens, not {vocab_size}")
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
@@ -240,8 +243,8 @@ def build_tiny_tokenizer(dest: Path, vocab_size: int) -> None:
     tokenizer.train_from_iterator([_TEXT], trainer=trainer)
     if tokenizer.get_vocab_size() != vocab_size:
         raise InputError(
-            f"a tiny tokenizer can have {len(SPECIAL_TOKENS) + 256} to "
-            f"{tokenizer.get_vocab_size()} tokens, not {vocab_size}"
+            f"the built-in text yields at most {tokenizer.get_vocab_size()} tokens, "
+            f"not {vocab_size}"
         )
     dest = Path(dest)
     dest.mkdir(parents=True, exist_ok=True)
@@ -320,8 +323,8 @@ def _cast(model: nn.Module, dtype: mx.Dtype) -> None:
 def _split(weights: dict, shards: int) -> list[dict]:
     """Cut the tensors, in order, into `shards` non-empty runs of about equal bytes."""
     items = list(weights.items())
-    if not 1 <= shards <= len(items):
-        raise InputError(f"shards must be between 1 and {len(items)}, not {shards}")
+    if shards > len(items):
+        raise InputError(f"shards must be at most {len(items)} (one per tensor), not {shards}")
     total = sum(value.nbytes for _, value in items)
     parts, done = [{}], 0
     for i, (key, value) in enumerate(items):
@@ -373,10 +376,11 @@ def build_tiny_model(
     The same arguments give the same bytes. Loads with `mlx_lm.utils.load(str(dest))`.
     """
     config = tiny_config(arch)
-    if not isinstance(getattr(mx, dtype, None), mx.Dtype) or not mx.issubdtype(
-        getattr(mx, dtype), mx.floating
-    ):
+    float_type = getattr(mx, dtype, None)
+    if not isinstance(float_type, mx.Dtype) or not mx.issubdtype(float_type, mx.floating):
         raise InputError(f"dtype must be a float type such as bfloat16, not {dtype!r}")
+    if shards < 1:
+        raise InputError(f"shards must be at least 1, not {shards}")
     dest = Path(dest)
     if dest.exists() and any(dest.iterdir()):
         raise InputError(f"{dest} is not empty; build a tiny model into a new directory")
@@ -384,7 +388,7 @@ def build_tiny_model(
 
     config["torch_dtype"] = dtype
     model = _make_model(config, seed)
-    _cast(model, getattr(mx, dtype))
+    _cast(model, float_type)
     if quantized:
         # quantize_model prints a summary; keep stdout clean for `--json` callers.
         with contextlib.redirect_stdout(io.StringIO()):
