@@ -218,7 +218,8 @@ def _convert_weights(path: Path, arch: str, raw: dict, heads: int, kv_heads: int
         if arch == "llama" and (".attn_q." in name or ".attn_k." in name):
             n_head = heads if ".attn_q." in name else kv_heads
             if value.shape[0] % (2 * n_head):
-                raise InputError(f"{path}: {name} has {value.shape[0]} rows, not a multiple of 2 x {n_head} heads")
+                raise InputError(f"{path}: {name} has {value.shape[0]} rows, "
+                                 f"not a multiple of 2 x {n_head} heads")
             value = _unpermute_rows(value, n_head)
         weights[target] = value
     return weights
@@ -299,16 +300,34 @@ def _rope_scaling(path: Path, arch: str, meta: dict) -> dict | None:
     raise InputError(f"{path}: rope scaling type {kind!r} is not supported (linear, yarn)")
 
 
-def _config(path: Path, arch: str, meta: dict, weights: dict, rope_freqs) -> dict:
-    def need(key):
-        if f"{arch}.{key}" not in meta:
-            raise InputError(f"{path}: GGUF metadata lacks {arch}.{key}")
-        return meta[f"{arch}.{key}"]
+def _f32(x) -> float:
+    """A float32 metadata value at float32 precision: 1e-05, not 9.999999747378752e-06."""
+    return float(f"{float(x):.7g}")
 
-    hidden, heads = int(need("embedding_length")), int(need("attention.head_count"))
-    kv_heads = int(meta.get(f"{arch}.attention.head_count_kv", heads))
-    head_dim = int(meta.get(f"{arch}.attention.key_length", hidden // heads))
-    rope_dims = int(meta.get(f"{arch}.rope.dimension_count", head_dim))
+
+def _number(path: Path, meta: dict, key: str, default=None):
+    """A scalar metadata value; missing (without a default) or per-layer lists are errors."""
+    value = meta.get(key, default)
+    if value is None:
+        raise InputError(f"{path}: GGUF metadata lacks {key}")
+    if isinstance(value, list):
+        raise InputError(f"{path}: per-layer values of {key} are not supported")
+    return value
+
+
+def _heads(path: Path, arch: str, meta: dict) -> tuple[int, int]:
+    heads = int(_number(path, meta, f"{arch}.attention.head_count"))
+    return heads, int(_number(path, meta, f"{arch}.attention.head_count_kv", heads))
+
+
+def _config(path: Path, arch: str, meta: dict, weights: dict, rope_freqs) -> dict:
+    def need(key, default=None):
+        return _number(path, meta, f"{arch}.{key}", default)
+
+    hidden = int(need("embedding_length"))
+    heads, kv_heads = _heads(path, arch, meta)
+    head_dim = int(need("attention.key_length", hidden // heads))
+    rope_dims = int(need("rope.dimension_count", head_dim))
     if rope_dims != head_dim:
         raise InputError(f"{path}: partial rotary ({rope_dims} of {head_dim} dims) is not supported")
     config = {
@@ -320,9 +339,9 @@ def _config(path: Path, arch: str, meta: dict, weights: dict, rope_freqs) -> dic
         "num_attention_heads": heads,
         "num_key_value_heads": kv_heads,
         "head_dim": head_dim,
-        "rms_norm_eps": float(need("attention.layer_norm_rms_epsilon")),
-        "rope_theta": float(meta.get(f"{arch}.rope.freq_base", 1e6 if arch != "llama" else 1e4)),
-        "max_position_embeddings": int(meta.get(f"{arch}.context_length", 4096)),
+        "rms_norm_eps": _f32(need("attention.layer_norm_rms_epsilon")),
+        "rope_theta": _f32(need("rope.freq_base", 1e6 if arch != "llama" else 1e4)),
+        "max_position_embeddings": int(need("context_length", 4096)),
         "vocab_size": int(weights["model.embed_tokens.weight"].shape[0]),
         "tie_word_embeddings": "lm_head.weight" not in weights,
     }
@@ -375,6 +394,8 @@ def _tokenizer_files(path: Path, meta: dict) -> dict[str, dict]:
     """tokenizer.json and tokenizer_config.json contents for a byte-level BPE vocab."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, processors
 
+    if "tokenizer.ggml.tokens" not in meta:
+        raise InputError(f"{path}: GGUF metadata lacks tokenizer.ggml.tokens")
     tokens = list(meta["tokenizer.ggml.tokens"])
     types = list(meta.get("tokenizer.ggml.token_type", [1] * len(tokens)))
     merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges", [])]
@@ -427,14 +448,14 @@ def _tokenizer_files(path: Path, meta: dict) -> dict[str, dict]:
 # ---------------------------------------------------------------------------
 # Writing.
 
-def _save_weights(weights: dict, out: Path) -> None:
+def _save_weights(weights: dict, out: Path, shard_bytes: int = SHARD_BYTES) -> None:
     """model.safetensors, or ~2 GB shards with an index when the weights are larger."""
     import mlx.core as mx
 
     shards, current, size = [], {}, 0
     for name in sorted(weights):
         nbytes = weights[name].nbytes
-        if current and size + nbytes > SHARD_BYTES:
+        if current and size + nbytes > shard_bytes:
             shards.append(current)
             current, size = {}, 0
         current[name] = weights[name]
@@ -478,20 +499,16 @@ def _check(path: Path, header: _Header) -> None:
         raise InputError(f"{path}: GGUF has no token_embd.weight tensor")
 
 
-def _write_checkpoint(path: Path, out: Path) -> None:
+def _write_checkpoint(path: Path, header: _Header, out: Path) -> None:
     import mlx.core as mx
 
-    header = _read_header(path)
-    _check(path, header)
     try:
         raw, meta = mx.load(str(path), return_metadata=True)
     except (RuntimeError, ValueError) as e:
-        raise InputError(f"{path}: MLX could not read the GGUF data ({e})") from e
+        raise InputError(f"{path}: MLX could not read the GGUF data ({' '.join(str(e).split())})") from e
     meta = {k: _plain(v) for k, v in meta.items()}
     arch = header.metadata["general.architecture"]
-    heads = int(meta.get(f"{arch}.attention.head_count", 0)) or 1
-    kv_heads = int(meta.get(f"{arch}.attention.head_count_kv", heads))
-    weights = _convert_weights(path, arch, raw, heads, kv_heads)
+    weights = _convert_weights(path, arch, raw, *_heads(path, arch, meta))
     config = _config(path, arch, meta, weights, raw.get("rope_freqs.weight"))
 
     files = _tokenizer_files(path, meta)
@@ -517,7 +534,8 @@ def _write_checkpoint(path: Path, out: Path) -> None:
     try:  # the checkpoint must load before it is published; lazy, so nothing is read
         load_model(out, lazy=True)
     except (ValueError, KeyError, TypeError) as e:
-        raise InputError(f"{path}: the converted {arch} checkpoint does not load in mlx-lm ({e})") from e
+        reason = " ".join(str(e).split())  # one line, as every error here is
+        raise InputError(f"{path}: the converted {arch} checkpoint does not load in mlx-lm ({reason})") from e
 
 
 def import_gguf(gguf_path: Path, dest: Path) -> Path:
@@ -527,12 +545,14 @@ def import_gguf(gguf_path: Path, dest: Path) -> Path:
     into place only when complete, so a failed import leaves nothing behind.
     """
     gguf_path, dest = Path(gguf_path), Path(dest)
+    header = _read_header(gguf_path)
+    _check(gguf_path, header)
     if dest.exists():
         raise InputError(f"{dest}: already exists; choose another destination or remove it")
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", suffix=".partial", dir=dest.parent))
     try:
-        _write_checkpoint(gguf_path, tmp)
+        _write_checkpoint(gguf_path, header, tmp)
         os.chmod(tmp, 0o755)  # mkdtemp makes it private; a checkpoint is not
         os.rename(tmp, dest)
     except BaseException:
