@@ -46,3 +46,13 @@ def test_external_paths_get_distinct_settings_keys(home, tmp_path):
 def test_cli_info_on_a_bad_model_exits_2(home, tmp_path):
     result = run_omlx(home, "models", "info", str(tmp_path / "missing"))
     assert result.returncode == 2 and "not found" in result.stderr
+
+
+def test_default_imports_the_embedded_model_once(home):
+    first = resolve("default", home)
+    assert first.embedded and (first.path / "config.json").is_file()
+    stamp = (first.path / "config.json").stat().st_mtime_ns
+    again = resolve("default", home)
+    assert again.path == first.path and (again.path / "config.json").stat().st_mtime_ns == stamp
+    listed = json.loads(run_omlx(home, "models", "list", "--json", check=True).stdout)["models"]
+    assert [m["name"] for m in listed] == ["SmolLM2-135M-Instruct"] and listed[0]["model_type"] == "llama"
