@@ -11,7 +11,7 @@ from typing import Optional
 
 import typer
 
-from omlx_cli import models, settings, status
+from omlx_cli import clone, models, settings, status
 from omlx_cli.context import Globals
 
 app = typer.Typer(
@@ -23,6 +23,7 @@ app = typer.Typer(
     context_settings={"help_option_names": ["-h", "--help"]},
 )
 app.command("status")(status.status)
+app.command("clone-fp16")(clone.clone_fp16)
 app.add_typer(settings.app, name="settings")
 app.add_typer(models.app, name="models")
 
