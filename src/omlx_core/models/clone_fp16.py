@@ -28,6 +28,7 @@ from typing import Callable
 import numpy as np
 
 from omlx_core.errors import InputError, OmlxError
+from omlx_core.processes import pid_alive
 from omlx_core.models.checkpoint import check_checkpoint, read_config, tensor_index, weight_files
 from omlx_core.models.fingerprint import model_fingerprint
 from omlx_core.models.fp16 import Converter, RangeCounts, f64_to_fp16
@@ -257,15 +258,6 @@ def _copy_other_files(src: Path, dest: Path, shard_names: set[str]) -> int:
     return copied
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
 
 def _remove_stale_temps(dst: Path) -> None:
     """Remove temp directories of earlier clones to `dst` whose process is gone."""
@@ -274,7 +266,7 @@ def _remove_stale_temps(dst: Path) -> None:
         return
     for entry in dst.parent.iterdir():
         pid = entry.name[len(prefix):]
-        if entry.name.startswith(prefix) and pid.isdigit() and not _pid_alive(int(pid)):
+        if entry.name.startswith(prefix) and pid.isdigit() and not pid_alive(int(pid)):
             shutil.rmtree(entry, ignore_errors=True)
 
 

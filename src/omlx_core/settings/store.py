@@ -18,6 +18,8 @@ from typing import Any
 
 from filelock import FileLock
 
+from omlx_core.processes import pid_alive
+
 log = logging.getLogger("omlx.settings")
 
 Validator = Callable[[dict], None]  # raises ValueError (or InputError) when a document is invalid
@@ -115,18 +117,9 @@ class JsonStore:
         """Temp files left by a writer that was killed mid-write (its pid is gone)."""
         for temp in self.path.parent.glob(f".{self.path.name}.*.tmp"):
             parts = temp.name.rsplit(".", 3)
-            if len(parts) == 4 and parts[1].isdigit() and not _pid_alive(int(parts[1])):
+            if len(parts) == 4 and parts[1].isdigit() and not pid_alive(int(parts[1])):
                 temp.unlink(missing_ok=True)
 
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _fsync_dir(directory: Path) -> None:
