@@ -11,7 +11,7 @@ from typing import Optional
 
 import typer
 
-from omlx_cli import clone, models, settings, status
+from omlx_cli import bench, clone, models, serve, settings, status
 from omlx_cli.context import Globals
 
 app = typer.Typer(
@@ -22,8 +22,10 @@ app = typer.Typer(
     add_completion=False,
     context_settings={"help_option_names": ["-h", "--help"]},
 )
+app.command("serve")(serve.serve)
 app.command("status")(status.status)
 app.command("clone-fp16")(clone.clone_fp16)
+app.command("bench")(bench.bench)
 app.add_typer(settings.app, name="settings")
 app.add_typer(models.app, name="models")
 

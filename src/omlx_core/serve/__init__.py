@@ -1,0 +1,1 @@
+"""The OpenAI-compatible server: HTTP app, engine loop, scheduler, status and metrics."""

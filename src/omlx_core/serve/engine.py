@@ -1,0 +1,325 @@
+"""The engine: one thread that owns every MLX call and steps each model's batch.
+
+HTTP handlers never touch MLX. They hand the engine a `Request` (through the scheduler)
+and read its events; anything else that needs the engine thread (loading a model to
+tokenize against it) goes through `call`, which runs a function there and returns a
+future. Per step the engine admits what the scheduler lets through, advances every
+model's mlx-lm `BatchGenerator` by one step, turns tokens into text per request
+(its own detokenizer, stop strings, EOS), and removes cancelled requests at once, so a
+client that goes away frees its slot and its KV on the next step.
+
+Prefix reuse: a finished request's KV goes into the model's mlx-lm `LRUPromptCache`; a
+new request starts from the nearest cached prefix and prefills only the rest. The cache
+is bounded by `server.prompt_cache_bytes` and charged to the memory guard as an extra,
+and it is the first thing dropped when the guard needs room.
+"""
+
+import concurrent.futures
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+
+from omlx_core.memory.guard import MemoryRefused
+from omlx_core.memory.kv import estimate_kv_bytes, worst_case_kv_bytes
+from omlx_core.serve.request import Delta, Finished, Request, Started
+from omlx_core.serve.sampling import StopText, make_sampler
+
+log = logging.getLogger("omlx.serve")
+
+IDLE_WAIT_S = 0.05
+STATS_EVERY_STEPS = 16
+
+
+@dataclass
+class _Sequence:
+    request: Request
+    uid: int
+    detokenizer: object
+    stop_text: StopText
+
+
+def _prefix_key(model) -> str:
+    return model.fingerprint
+
+
+class Engine:
+    def __init__(self, registry, scheduler, guard, metrics):
+        self.registry = registry
+        self.scheduler = scheduler
+        self.guard = guard
+        self.metrics = metrics
+        self.ready = threading.Event()  # set once the startup models are loaded
+        self.load_error: Exception | None = None
+        self._calls: queue.SimpleQueue = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._stopping = False
+        self._active: dict[str, dict[int, _Sequence]] = {}  # model id -> uid -> sequence
+        self._samplers: dict[tuple, object] = {}  # shared unseeded samplers batch in one call
+        self._steps = 0
+        self._thread = threading.Thread(target=self._run, name="omlx-engine", daemon=True)
+
+    # Called from other threads ---------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stopping = True
+        self._wake.set()
+        self._thread.join(timeout)
+
+    def call(self, function) -> concurrent.futures.Future:
+        """Run `function()` on the engine thread; its result or exception comes back in a future."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._calls.put((function, future))
+        self._wake.set()
+        return future
+
+    def wake(self) -> None:
+        """Make the engine look at its requests now (e.g. one was cancelled)."""
+        self._wake.set()
+
+    def submit(self, request: Request) -> None:
+        """Queue a request; raises APIError 503 when the wait queue is full."""
+        try:
+            self.scheduler.submit(request)
+        except Exception:
+            self.metrics.queue_rejections.labels(request.model_id).inc()
+            raise
+        self._wake.set()
+
+    def worst_case_bytes(self, model, prompt_tokens: int, max_tokens: int) -> int:
+        chunk = int(model.settings["prefill.chunk_size"])
+        return worst_case_kv_bytes(model.kv, prompt_tokens, max_tokens, prefill_chunk=chunk)
+
+    def active_count(self, model_id: str) -> int:
+        return len(self._active.get(model_id, {}))
+
+    # The engine thread -------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            for ref in self.registry.startup:
+                self.registry.get(ref.name)
+        except Exception as error:  # noqa: BLE001 - reported by /health and the CLI
+            log.error("loading %s failed: %s", ref.name, error)
+            self.load_error = error
+        self.ready.set()
+        while not self._stopping:
+            self._run_calls()
+            self._admit()
+            self._drop_cancelled()
+            if not any(self._active.values()):
+                self._wake.wait(IDLE_WAIT_S)
+                self._wake.clear()
+                continue
+            for model_id in [m for m, seqs in self._active.items() if seqs]:
+                self._step(model_id)
+            self._steps += 1
+            if self._steps % STATS_EVERY_STEPS == 0:
+                self._record_kv()
+        self._shutdown()
+
+    def _run_calls(self) -> None:
+        while True:
+            try:
+                function, future = self._calls.get_nowait()
+            except queue.Empty:
+                return
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(function())
+                except BaseException as error:  # noqa: BLE001 - handed back to the caller
+                    future.set_exception(error)
+
+    def _kv_bytes(self, request: Request) -> int:
+        model = self.registry.get(request.model_id)
+        return self.worst_case_bytes(model, len(request.prompt), request.max_tokens)
+
+    def _make_room(self) -> bool:
+        """Free memory for a refused request: prefix caches first, then an idle model."""
+        for model in self.registry.loaded.values():
+            if model.prompt_cache is not None and len(model.prompt_cache):
+                model.prompt_cache.trim_to(n_sequences=0)
+                self._charge_prefix_cache(model)
+                return True
+        busy = {model_id for model_id, seqs in self._active.items() if seqs}
+        return self.registry.evict_one(busy)
+
+    def _admit(self) -> None:
+        admitted, refused = self.scheduler.admit(self._kv_bytes, self._make_room)
+        if admitted or refused:
+            self._update_gauges(None)
+        for request, refusal in refused:
+            if isinstance(refusal, MemoryRefused):
+                self.metrics.memory_rejections.labels(request.model_id).inc()
+            self._finish(request, "error" if refusal is not None else "cancelled", error=refusal)
+        for request in admitted:
+            try:
+                self._insert(request)
+            except Exception as error:  # noqa: BLE001 - one bad request must not stop the engine
+                log.exception("request %s could not start", request.id)
+                self._finish(request, "error", error=error)
+
+    def _sampler(self, request: Request):
+        if request.seed is not None:
+            return make_sampler(request.temperature, request.top_p, request.seed)
+        key = (request.temperature, request.top_p)
+        if key not in self._samplers:
+            self._samplers[key] = make_sampler(request.temperature, request.top_p, None)
+        return self._samplers[key]
+
+    def _insert(self, request: Request) -> None:
+        from mlx_lm.generate import BatchGenerator, StopSequences
+        from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
+
+        model = self.registry.get(request.model_id)
+        if model.generator is None:
+            model.generator = BatchGenerator(
+                model.model, completion_batch_size=self.scheduler.max_running,
+                prefill_batch_size=min(8, self.scheduler.max_running),
+                prefill_step_size=int(model.settings["prefill.chunk_size"]))
+            model.stop_sequences = StopSequences([[t] for t in model.tokenizer.eos_token_ids])
+            model.no_stop = StopSequences(None)
+        cache, rest = model.prompt_cache.fetch_nearest_cache(_prefix_key(model), request.prompt)
+        if cache is not None and not rest:  # an exact hit: feed the last token again
+            if can_trim_prompt_cache(cache):
+                trim_prompt_cache(cache, 1)
+                rest = request.prompt[-1:]
+            else:
+                cache, rest = None, request.prompt
+        cached = len(request.prompt) - len(rest)
+        request.cached_tokens = cached
+        (uid,) = model.generator.insert(
+            [rest], max_tokens=[request.max_tokens], caches=[cache],
+            all_tokens=[request.prompt[:cached]], samplers=[self._sampler(request)],
+            stop_sequences=[model.no_stop if request.ignore_eos else model.stop_sequences])
+        self._active.setdefault(model.id, {})[uid] = _Sequence(
+            request, uid, model.tokenizer.detokenizer, StopText(request.stop))
+        request.push(Started(cached))
+        self.metrics.prompt_tokens.labels(model.id).inc(len(request.prompt))
+        self.metrics.cached_tokens.labels(model.id).inc(cached)
+        self._update_gauges(model.id)
+
+    def _step(self, model_id: str) -> None:
+        model = self.registry.loaded[model_id]
+        generator = model.generator
+        generator.prefill_step_size = self.guard.prefill_chunk_size(int(model.settings["prefill.chunk_size"]))
+        try:
+            _, responses = generator.next()
+        except Exception as error:  # noqa: BLE001 - fail this model's requests, keep serving
+            log.exception("generation step failed for %s", model_id)
+            for sequence in list(self._active.get(model_id, {}).values()):
+                self._remove(model, sequence, "error", error=error)
+            return
+        sequences = self._active[model_id]
+        stopped = []
+        for response in responses:
+            sequence = sequences.get(response.uid)
+            if sequence is None:
+                continue
+            if self._advance(model, sequence, response):
+                stopped.append(sequence)
+        if stopped:
+            self._keep_prefixes(model, generator.remove([s.uid for s in stopped],
+                                                        return_prompt_caches=True))
+
+    def _advance(self, model, sequence: _Sequence, response) -> bool:
+        """Turn one token into text for its request; True if a stop string ended it early."""
+        request, detokenizer = sequence.request, sequence.detokenizer
+        request.completion_tokens += 1
+        if request.first_token_at is None:
+            request.first_token_at = time.monotonic()
+        if response.finish_reason != "stop":  # the EOS token itself is not text
+            detokenizer.add_token(response.token)
+        if response.finish_reason is not None:
+            detokenizer.finalize()
+        text = sequence.stop_text.feed(detokenizer.last_segment)
+        if sequence.stop_text.stopped:
+            if text:
+                request.push(Delta(text, request.completion_tokens))
+            self._end(model, sequence, "stop")
+            return response.finish_reason is None
+        if response.finish_reason is not None:
+            text += sequence.stop_text.flush()
+        if text:
+            request.push(Delta(text, request.completion_tokens))
+        if response.finish_reason is not None:
+            self._keep_prefixes(model, {sequence.uid: (response.prompt_cache, response.all_tokens)})
+            self._end(model, sequence, response.finish_reason)
+        return False
+
+    def _keep_prefixes(self, model, caches: dict) -> None:
+        """Put finished sequences' KV into the model's prefix cache, within its budget."""
+        for cache, tokens in caches.values():
+            if cache and tokens:
+                model.prompt_cache.insert_cache(_prefix_key(model), list(tokens), cache)
+        self._charge_prefix_cache(model)
+
+    def _drop_cancelled(self) -> None:
+        for model_id, sequences in self._active.items():
+            gone = [s for s in sequences.values() if s.request.cancelled]
+            if gone:
+                model = self.registry.loaded[model_id]
+                self._keep_prefixes(model, model.generator.remove(
+                    [s.uid for s in gone], return_prompt_caches=True))
+                for sequence in gone:
+                    self._end(model, sequence, "cancelled")
+
+    def _remove(self, model, sequence: _Sequence, reason: str, error: Exception | None = None) -> None:
+        model.generator.remove([sequence.uid])
+        self._end(model, sequence, reason, error)
+
+    def _end(self, model, sequence: _Sequence, reason: str, error: Exception | None = None) -> None:
+        self._active[model.id].pop(sequence.uid, None)
+        self._finish(sequence.request, reason, error)
+        self._update_gauges(model.id)
+
+    def _finish(self, request: Request, reason: str, error: Exception | None = None) -> None:
+        self.scheduler.finish(request)
+        request.finished_at = time.monotonic()
+        self.metrics.generation_tokens.labels(request.model_id).inc(request.completion_tokens)
+        self.metrics.finished(request.model_id, request.arrived, request.first_token_at,
+                              request.finished_at, request.completion_tokens)
+        request.push(Finished(reason, len(request.prompt), request.completion_tokens,
+                              request.cached_tokens, error))
+        self._wake.set()
+
+    def _charge_prefix_cache(self, model) -> None:
+        if model.prompt_cache.nbytes > model.prompt_cache_budget:
+            model.prompt_cache.trim_to(n_bytes=model.prompt_cache_budget)
+        self.guard.register_extra(f"prefix_cache:{model.id}", model.prompt_cache.nbytes)
+        self.metrics.prefix_cache_bytes.labels(model.id).set(model.prompt_cache.nbytes)
+
+    def _record_kv(self) -> None:
+        for model_id, sequences in self._active.items():
+            model = self.registry.loaded.get(model_id)
+            if model is None:
+                continue
+            total = 0
+            for sequence in sequences.values():
+                request = sequence.request
+                live = estimate_kv_bytes(model.kv, len(request.prompt) + request.completion_tokens)
+                self.guard.record_kv(request.id, live)
+                total += live
+            self.metrics.kv_bytes.labels(model_id).set(total)
+
+    def _update_gauges(self, model_id: str | None) -> None:
+        counts = self.scheduler.counts_by_model()
+        for name in set(counts) | set(self.registry.loaded) | ({model_id} - {None}):
+            running, waiting = counts.get(name, (0, 0))
+            self.metrics.running.labels(name).set(running)
+            self.metrics.waiting.labels(name).set(waiting)
+        if model_id is not None and not self._active.get(model_id):
+            self.metrics.kv_bytes.labels(model_id).set(0)
+
+    def _shutdown(self) -> None:
+        for model_id, sequences in self._active.items():
+            model = self.registry.loaded.get(model_id)
+            for sequence in list(sequences.values()):
+                self._remove(model, sequence, "cancelled")
+        for model in self.registry.loaded.values():
+            if model.generator is not None:
+                model.generator.close()

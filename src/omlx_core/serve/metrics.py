@@ -1,0 +1,56 @@
+"""Prometheus metrics for /metrics, labelled by model, in a registry of the server's own.
+
+A registry per server (not the process-global default) so two servers in one process,
+as in the tests, never share counters.
+"""
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, \
+    generate_latest
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+_TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
+
+
+class ServerMetrics:
+    content_type = CONTENT_TYPE_LATEST
+
+    def __init__(self):
+        self.registry = CollectorRegistry()
+        labels = ["model"]
+        self.running = Gauge("omlx_requests_running", "Requests generating now.", labels,
+                             registry=self.registry)
+        self.waiting = Gauge("omlx_requests_waiting", "Requests queued for a slot.", labels,
+                             registry=self.registry)
+        self.prompt_tokens = Counter("omlx_prompt_tokens", "Prompt tokens processed (cache hits included).",
+                                     labels, registry=self.registry)
+        self.cached_tokens = Counter("omlx_prompt_cached_tokens", "Prompt tokens served from the prefix cache.",
+                                     labels, registry=self.registry)
+        self.generation_tokens = Counter("omlx_generation_tokens", "Tokens generated.", labels,
+                                         registry=self.registry)
+        self.ttft = Histogram("omlx_time_to_first_token_seconds", "Arrival to first token.", labels,
+                              buckets=_LATENCY_BUCKETS, registry=self.registry)
+        self.tpot = Histogram("omlx_time_per_output_token_seconds",
+                              "Mean time per token after the first, per request.", labels,
+                              buckets=_TOKEN_BUCKETS, registry=self.registry)
+        self.kv_bytes = Gauge("omlx_kv_cache_bytes", "Live KV cache bytes of running requests.", labels,
+                              registry=self.registry)
+        self.prefix_cache_bytes = Gauge("omlx_prefix_cache_bytes", "Bytes kept by the prefix cache.",
+                                        labels, registry=self.registry)
+        self.memory_rejections = Counter("omlx_memory_guard_rejections",
+                                         "Requests refused with 507 by the memory guard.", labels,
+                                         registry=self.registry)
+        self.queue_rejections = Counter("omlx_queue_rejections",
+                                        "Requests refused with 503 because the queue was full.", labels,
+                                        registry=self.registry)
+
+    def finished(self, model: str, arrived: float, first_token_at: float | None,
+                 finished_at: float, completion_tokens: int) -> None:
+        """Record one finished request's latencies."""
+        if first_token_at is None:
+            return
+        self.ttft.labels(model).observe(first_token_at - arrived)
+        if completion_tokens > 1:
+            self.tpot.labels(model).observe((finished_at - first_token_at) / (completion_tokens - 1))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

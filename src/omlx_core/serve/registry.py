@@ -1,0 +1,138 @@
+"""The models a server can serve: loaded at start (`--model`, pinned) or on first request.
+
+Least-recently-used unpinned models are unloaded when the memory guard needs room. Loading
+happens on the engine thread, so all MLX work stays on one thread.
+"""
+
+import gc
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from omlx_core.models.fingerprint import model_fingerprint
+from omlx_core.models.load import load_model
+from omlx_core.models.resolve import DEFAULT, ModelRef, list_model_names, locate, resolve
+from omlx_core.settings import load_settings
+
+PREFIX_CACHE_ENTRIES = 64  # conversations kept per model, within the byte budget too
+
+
+@dataclass
+class LoadedModel:
+    ref: ModelRef
+    model: object
+    tokenizer: object
+    fingerprint: str
+    settings: object
+    kv: object  # memory.kv.KVProfile
+    weights_bytes: int
+    context_length: int
+    vocab_size: int
+    pinned: bool
+    loaded_at: float = field(default_factory=time.time)
+    last_used: float = field(default_factory=time.monotonic)
+    prompt_cache: object = None  # mlx-lm LRUPromptCache of finished requests' KV
+    prompt_cache_budget: int = 0  # bytes it may keep (server.prompt_cache_bytes)
+    generator: object = None  # mlx-lm BatchGenerator, made by the engine on first use
+    stop_sequences: object = None  # EOS ids as mlx-lm StopSequences, made with it
+    no_stop: object = None  # no EOS at all, for requests with ignore_eos
+
+    @property
+    def id(self) -> str:
+        return self.ref.name
+
+
+def _text_config(model_dir: Path) -> dict:
+    from omlx_core.models.checkpoint import read_config
+
+    config = read_config(model_dir)
+    return config.get("text_config", config)
+
+
+def _context_length(config: dict, tokenizer) -> int:
+    for key in ("max_position_embeddings", "max_seq_len", "seq_length"):
+        if isinstance(config.get(key), int):
+            return config[key]
+    return int(getattr(tokenizer, "model_max_length", 0) or 4096)
+
+
+class ModelRegistry:
+    def __init__(self, home: Path, startup: list[str], guard, cli_settings: dict | None = None):
+        self.home = home
+        self.guard = guard
+        self.cli_settings = cli_settings or {}
+        self.startup = [locate(name, home) for name in startup]  # fail fast on a bad --model
+        self.loaded: dict[str, LoadedModel] = {}
+
+    @property
+    def default_id(self) -> str:
+        return self.startup[0].name
+
+    def available(self) -> list[str]:
+        """Ids a request may name: startup models, loaded ones, and models under $OMLX_HOME."""
+        names = [ref.name for ref in self.startup] + list(self.loaded) + list_model_names(self.home)
+        return list(dict.fromkeys(names))
+
+    def canonical(self, requested: str | None) -> str | None:
+        """The model id for a request's `model` field, or None if it cannot be served."""
+        if requested is None:
+            return self.default_id
+        if requested == DEFAULT:
+            return locate(DEFAULT, self.home).name
+        for ref in self.startup:
+            if requested in (ref.name, str(ref.path)):
+                return ref.name
+        return requested if requested in self.available() else None
+
+    def get(self, model_id: str) -> LoadedModel:
+        """The loaded model, loading it now if needed (engine thread only)."""
+        loaded = self.loaded.get(model_id)
+        if loaded is None:
+            pinned = any(ref.name == model_id for ref in self.startup)
+            ref = next((r for r in self.startup if r.name == model_id), None) or locate(model_id, self.home)
+            loaded = self._load(ref, pinned)
+        loaded.last_used = time.monotonic()
+        return loaded
+
+    def _load(self, ref: ModelRef, pinned: bool) -> LoadedModel:
+        from mlx_lm.models.cache import LRUPromptCache
+
+        from omlx_core.memory.capacity import watermark_bytes
+        from omlx_core.memory.kv import kv_profile
+        from omlx_core.memory.weights import weights_bytes
+
+        ref = resolve(ref.name if ref.embedded else str(ref.path), self.home)
+        settings = load_settings(self.home, ref.key, cli=self.cli_settings)
+        model, tokenizer = load_model(ref)
+        config = _text_config(ref.path)
+        size = weights_bytes(model)
+        self.guard.register_weights(ref.name, size)
+        loaded = LoadedModel(
+            ref=ref, model=model, tokenizer=tokenizer, fingerprint=model_fingerprint(ref.path),
+            settings=settings, kv=kv_profile(model), weights_bytes=size,
+            context_length=_context_length(config, tokenizer),
+            vocab_size=int(config.get("vocab_size") or len(tokenizer)), pinned=pinned,
+            prompt_cache=LRUPromptCache(max_size=PREFIX_CACHE_ENTRIES),
+            prompt_cache_budget=watermark_bytes(settings["server.prompt_cache_bytes"],
+                                                self.guard.total_bytes, "server.prompt_cache_bytes"),
+        )
+        self.loaded[ref.name] = loaded
+        return loaded
+
+    def evict_one(self, busy: set[str]) -> bool:
+        """Unload the least recently used unpinned idle model; True if one was unloaded."""
+        idle = [m for m in self.loaded.values() if not m.pinned and m.id not in busy]
+        if not idle:
+            return False
+        victim = min(idle, key=lambda m: m.last_used)
+        del self.loaded[victim.id]
+        self.guard.release_weights(victim.id)
+        self.guard.release_extra(f"prefix_cache:{victim.id}")
+        if victim.generator is not None:
+            victim.generator.close()
+        del victim
+        gc.collect()
+        import mlx.core as mx
+
+        mx.clear_cache()
+        return True

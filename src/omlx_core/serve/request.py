@@ -1,0 +1,82 @@
+"""One generation request's explicit state, shared by the HTTP handler and the engine thread.
+
+The handler creates it and reads events from `events`; the engine thread advances it and
+pushes events through the event loop (thread-safe). `cancel()` is how a client that went
+away frees its slot: the engine sees the flag on its next step.
+"""
+
+import asyncio
+import itertools
+import threading
+import time
+from dataclasses import dataclass, field
+from enum import Enum
+
+_ids = itertools.count(1)
+
+
+class Status(Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Started:
+    """Admitted: the request holds a slot and its memory reservation."""
+
+    cached_tokens: int  # prompt tokens taken from the prefix cache
+
+
+@dataclass
+class Delta:
+    text: str
+    tokens: int  # generated so far
+
+
+@dataclass
+class Finished:
+    reason: str  # stop | length | cancelled | error
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+    error: Exception | None = None
+
+
+@dataclass
+class Request:
+    model_id: str
+    prompt: list[int]
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    ignore_eos: bool = False
+    loop: asyncio.AbstractEventLoop | None = None
+    id: str = field(default_factory=lambda: f"req-{next(_ids)}")
+    status: Status = Status.WAITING
+    arrived: float = field(default_factory=time.monotonic)
+    first_token_at: float | None = None
+    finished_at: float | None = None
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    _cancelled: threading.Event = field(default_factory=threading.Event)
+
+    def cancel(self) -> None:
+        self._cancelled.set()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled.is_set()
+
+    def push(self, event) -> None:
+        """Deliver an event to the waiting handler from any thread."""
+        if self.loop is None:
+            self.events.put_nowait(event)
+        else:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+
+    def worst_case_tokens(self) -> int:
+        return len(self.prompt) + self.max_tokens
