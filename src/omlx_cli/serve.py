@@ -40,10 +40,12 @@ def serve(
             names = ", ".join(ref.name for ref in running.registry.startup)
             print(f"omlx: serving {names} on {where}/v1 (health {where}/health)", file=sys.stderr)
 
-    if not quiet:
-        auth = "key required" if options.api_key else "no key"
-        print(f"omlx: loading {', '.join(options.models)}; listening on {where} ({auth})", file=sys.stderr)
-    server.run(on_ready=announce)
+    def listening(_: Server) -> None:
+        if not quiet:
+            auth = "key required" if options.api_key else "no key"
+            print(f"omlx: listening on {where} ({auth}); loading {', '.join(options.models)}", file=sys.stderr)
+
+    server.run(on_listening=listening, on_ready=announce)
     if server.engine.load_error is not None:
         from omlx_core.errors import OmlxError
 

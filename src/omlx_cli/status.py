@@ -1,5 +1,7 @@
 """`omlx status`: what omlx sees on this machine."""
 
+from typing import Optional
+
 import typer
 
 from omlx_cli.context import globals_of, print_json
@@ -7,9 +9,23 @@ from omlx_cli.context import globals_of, print_json
 
 def status(
     ctx: typer.Context,
+    url: Optional[str] = typer.Option(
+        None, "--url", help="Ask the omlx server at URL (e.g. http://127.0.0.1:8000) instead."),
+    api_key: Optional[str] = typer.Option(None, "--api-key", help="With --url: bearer key (default: server.api_key)."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON document."),
 ):
-    """Versions, device, memory, settings files, models and prefill lanes."""
+    """This machine (versions, device, memory, settings, models, lanes), or a running server."""
+    if url is not None:
+        from omlx_core.serve.remote import fetch_status
+        from omlx_core.settings import load_settings
+
+        key = api_key or load_settings(globals_of(ctx).home)["server.api_key"]
+        report = fetch_status(url, key)
+        if as_json:
+            print_json(report)
+        else:
+            _render_server(url, report)
+        return
     from omlx_core.status import offline_status
 
     report = offline_status(globals_of(ctx).home)
@@ -17,6 +33,37 @@ def status(
         print_json(report)
         return
     _render(report)
+
+
+def _render_server(url: str, report: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    from omlx_core.units import format_bytes
+
+    console = Console()
+    memory, queue = report["memory"], report["queue"]
+    console.print(f"[bold]omlx serve[/] {report['version']} at {url}  ·  {report['state']}  ·  "
+                  f"up {report['uptime_s']:.0f} s")
+    console.print(f"memory    {format_bytes(memory['committed_bytes'])} committed of "
+                  f"{format_bytes(memory['total_bytes'])} (soft {format_bytes(memory['soft_watermark_bytes'])}, "
+                  f"hard {format_bytes(memory['hard_watermark_bytes'])}); weights "
+                  f"{format_bytes(memory['weights_bytes'])}, KV {format_bytes(memory['kv']['charged_bytes'])}, "
+                  f"extras {format_bytes(memory['extras_bytes'])}")
+    console.print(f"queue     {queue['running']}/{queue['max_running']} running, "
+                  f"{queue['waiting']}/{queue['max_waiting']} waiting; refused: "
+                  f"{queue['queue_rejections']} queue full, {queue['memory_rejections']} memory")
+    table = Table("model", "weights", "KV live / reserved", "running", "prefix cache", "profile",
+                  "lanes", title="loaded models", title_justify="left")
+    for model in report["models"]:
+        lanes = ", ".join(f"{lane['name']}{'' if lane['configured'] else ' (off)'}"
+                          for lane in model["prefill"]["lanes"])
+        cache = model["prefix_cache"]
+        table.add_row(model["id"], format_bytes(model["weights_bytes"]),
+                      f"{format_bytes(model['kv_bytes'])} / {format_bytes(model['kv_estimate_bytes'])}",
+                      str(model["running"]), f"{cache['entries']} · {format_bytes(cache['bytes'])}",
+                      model["active_profile"] or "-", lanes)
+    console.print(table)
 
 
 def _render(report: dict) -> None:

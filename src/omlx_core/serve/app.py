@@ -22,7 +22,7 @@ from omlx_core.serve.errors import APIError, bad_request, memory_refused, server
     unknown_model
 from omlx_core.serve.protocol import ChatCompletionRequest, CompletionRequest
 from omlx_core.serve.prompts import chat_prompt, completion_prompt
-from omlx_core.serve.request import Delta, Finished, Request, Started
+from omlx_core.serve.request import Delta, Finished, Request
 
 DEFAULT_MAX_TOKENS = 4096  # when a request names none: the context's remainder, at most this
 DISCONNECT_POLL_S = 0.5

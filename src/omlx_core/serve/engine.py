@@ -138,14 +138,14 @@ class Engine:
         model = self.registry.get(request.model_id)
         return self.worst_case_bytes(model, len(request.prompt), request.max_tokens)
 
-    def _make_room(self) -> bool:
-        """Free memory for a refused request: prefix caches first, then an idle model."""
+    def _make_room(self, request: Request) -> bool:
+        """Free memory for a refused request: prefix caches first, then another idle model."""
         for model in self.registry.loaded.values():
-            if model.prompt_cache is not None and len(model.prompt_cache):
+            if len(model.prompt_cache):
                 model.prompt_cache.trim_to(n_sequences=0)
                 self._charge_prefix_cache(model)
                 return True
-        busy = {model_id for model_id, seqs in self._active.items() if seqs}
+        busy = {model_id for model_id, seqs in self._active.items() if seqs} | {request.model_id}
         return self.registry.evict_one(busy)
 
     def _admit(self) -> None:

@@ -37,27 +37,26 @@ class Scheduler:
             self.waiting.append(request)
 
     def admit(self, kv_bytes: Callable[[Request], int],
-              make_room: Callable[[], bool] = lambda: False,
+              make_room: Callable[[Request], bool] = lambda request: False,
               ) -> tuple[list[Request], list[tuple[Request, Exception | None]]]:
         """Move what fits from waiting to running; returns (admitted, refused).
 
         `kv_bytes` gives a request's worst-case KV on its model (loading the model if
-        need be); `make_room` is asked to free memory (drop caches, evict an idle model)
-        before a request is refused. A refusal is a `MemoryRefused`, another error (its model failed to load),
-        or None when the request was cancelled while waiting.
+        need be); `make_room(request)` is asked to free memory (drop caches, evict an idle
+        model) before a request is refused. A refusal is a `MemoryRefused`, another error
+        (its model failed to load), or None when the request was cancelled while waiting.
         """
         admitted, refused = [], []
         with self.lock:
+            if any(request.cancelled for request in self.waiting):
+                refused += [(request, None) for request in self.waiting if request.cancelled]
+                self.waiting = deque(request for request in self.waiting if not request.cancelled)
             while self.waiting and len(self.running) < self.max_running:
                 request = self.waiting[0]
-                if request.cancelled:
-                    self.waiting.popleft()
-                    refused.append((request, None))
-                    continue
                 try:
                     self.guard.admit(request.id, request.model_id, kv_bytes(request))
                 except MemoryRefused as refusal:
-                    if make_room():
+                    if make_room(request):
                         continue
                     if self.running:
                         break  # wait for running requests to free their KV

@@ -92,7 +92,7 @@ class Server:
                 "running": self.engine.active_count(model.id),
                 "prefix_cache": {"entries": len(model.prompt_cache), "bytes": model.prompt_cache.nbytes,
                                  "budget_bytes": model.prompt_cache_budget},
-                "active_profile": model.settings.active_profile,
+                "active_profile": model.settings.profile,
                 "prefill": {"chunk_size": model.settings["prefill.chunk_size"],
                             "lanes": _lanes(model.settings)},
             })
@@ -104,14 +104,16 @@ class Server:
             "available_models": self.registry.available(),
         }
 
-    def run(self, on_ready=None) -> None:
-        """Serve until stopped (Ctrl-C, `stop()`); the engine starts loading at once."""
+    def run(self, on_listening=None, on_ready=None) -> None:
+        """Serve until stopped (Ctrl-C, `stop()`): bind, then load models while answering /health."""
         import uvicorn
 
         config = uvicorn.Config(self.app(), host=self.options.host, port=self.options.port,
                                 log_level="warning", access_log=False, timeout_graceful_shutdown=5)
         self.uvicorn = uvicorn.Server(config)
         listener = _listen(self.options.host, self.options.port)
+        if on_listening is not None:
+            on_listening(self)
         self.engine.start()
         threading.Thread(target=self._watch_load, args=(on_ready,), daemon=True).start()
         try:

@@ -21,8 +21,9 @@ class Resolved:
 class EffectiveSettings(Mapping):
     """Every setting's value and where it came from; read like a dict of values."""
 
-    def __init__(self, resolved: dict[str, Resolved]):
+    def __init__(self, resolved: dict[str, Resolved], profile: str | None = None):
         self.resolved = resolved
+        self.profile = profile  # the model profile read, if a model was named
 
     def __getitem__(self, key: str) -> Any:
         return self.resolved[key].value
@@ -45,6 +46,7 @@ def load_settings(
     environ = os.environ if environ is None else environ
     resolved = {setting.key: Resolved(setting.default, "default") for setting in SETTINGS}
 
+    profile = None
     store = global_store(home)
     for key, value in flatten(store.read(), str(store.path)).items():
         resolved[key] = Resolved(value, "file", str(store.path))
@@ -55,6 +57,7 @@ def load_settings(
         name, sections = active_profile(document)
         if use_working and "working" in document:
             name, sections = "working", document["working"]
+        profile = name
         for key, value in flatten(sections, str(store.path)).items():
             resolved[key] = Resolved(value, "model", f"{store.path} [{name}]")
 
@@ -69,4 +72,4 @@ def load_settings(
     for key, value in (cli or {}).items():
         if value is not None:
             resolved[key] = Resolved(BY_KEY[key].validate(value), "cli", "command line")
-    return EffectiveSettings(resolved)
+    return EffectiveSettings(resolved, profile)

@@ -1,0 +1,323 @@
+#!/usr/bin/env python
+"""Benchmark `omlx serve` against `mlx_lm.server` on the same model, in the same run.
+
+Why: `omlx serve` batches requests continuously over mlx-lm's BatchGenerator; the number
+that matters is what N streaming clients get from it compared with stock mlx-lm's own
+server on the same checkpoint and machine, as a ratio (absolute figures on the 2-core CI
+CPU are noise-prone; the ratio from one run is what to compare).
+
+How: the model is resolved once (`default` is the embedded SmolLM2-135M, imported from its
+GGUF on first use) and both servers serve that one checkpoint directory: mlx_lm.server gets
+its path, omlx gets the name as given (so its per-model settings apply, as for a user) and
+`--max-concurrency` = `--concurrency`; mlx_lm.server keeps its defaults (decode concurrency
+32). Each server is a subprocess on a free 127.0.0.1 port, logging to a file; once `/health`
+answers 200 the workload runs through `omlx_core.bench.serving.run_serving` (the load
+generator `omlx bench --url` uses), then the server is stopped (SIGTERM, SIGKILL after
+--stop-timeout) before the other one starts: never both at once, so neither competes for
+the cores. mlx_lm.server answers /health 200 before its model has loaded, so the warm-up
+(the calibration request plus --warmup requests, not counted) also absorbs the load.
+
+Every request streams `max_tokens` = --gen with `ignore_eos`; omlx honours it, mlx_lm.server
+does not and may stop at EOS, so tokens are counted as each server reports them and the
+table shows tokens per request: compare tok/s only where both reached --gen. Generation
+tok/s is aggregate: completion tokens of all requests / wall time of the level.
+
+Order: round r runs the two servers in the order --first, other when r is even and the
+reverse when it is odd (A B, B A, A B, …), so slow drift (thermal, page cache, another job)
+falls on both sides alike over an even number of rounds. Each figure is the median over
+--rounds of the per-round figure (TTFT p50/p99 are medians of the per-round percentiles);
+the ratio is median omlx tok/s / median mlx-lm tok/s.
+
+    .venv/bin/python scripts/bench/serve.py [--model default] [--concurrency 8] [--requests 32]
+        [--ctx 128] [--gen 64] [--rounds 1] [--endpoint completions|chat] [--json]
+"""
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+OMLX, MLX_LM = "omlx", "mlx-lm"
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def omlx_command(home: Path, model: str, port: int, concurrency: int) -> list[str]:
+    script = Path(sys.executable).parent / "omlx"
+    entry = [str(script)] if script.is_file() else \
+        [sys.executable, "-c", "from omlx_cli.main import run; run()"]
+    return entry + ["--home", str(home), "serve", "--model", model, "--host", "127.0.0.1",
+                    "--port", str(port), "--max-concurrency", str(concurrency)]
+
+
+def mlx_lm_command(path: Path, port: int) -> list[str]:
+    return [sys.executable, "-m", "mlx_lm.server", "--model", str(path), "--host", "127.0.0.1",
+            "--port", str(port)]
+
+
+def _tail(log: Path, lines: int = 30) -> str:
+    try:
+        return "\n".join(log.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+class Subprocess:
+    """A server process on a loopback port: start, wait for /health 200, stop."""
+
+    def __init__(self, name: str, command: list[str], port: int, log: Path):
+        self.name, self.command, self.port, self.log = name, command, port, log
+        self.url = f"http://127.0.0.1:{port}"
+        self.proc = None
+
+    def start(self, timeout_s: float) -> float:
+        import httpx
+
+        started = time.perf_counter()
+        with open(self.log, "wb") as out:
+            self.proc = subprocess.Popen(self.command, stdout=out, stderr=subprocess.STDOUT,
+                                         stdin=subprocess.DEVNULL)
+        last = "no answer"
+        while time.perf_counter() - started < timeout_s:
+            if self.proc.poll() is not None:
+                raise SystemExit(f"{self.name}: exited {self.proc.returncode} before /health "
+                                 f"answered 200 ({last}); log {self.log}:\n{_tail(self.log)}")
+            try:
+                response = httpx.get(self.url + "/health", timeout=2.0)
+                if response.status_code == 200:
+                    return time.perf_counter() - started
+                last = f"/health {response.status_code}: {response.text[:200]}"
+            except httpx.HTTPError as error:
+                last = type(error).__name__
+            time.sleep(0.5)
+        self.stop(5.0)
+        raise SystemExit(f"{self.name}: /health not 200 after {timeout_s:.0f} s ({last}); "
+                         f"log {self.log}:\n{_tail(self.log)}")
+
+    def stop(self, timeout_s: float) -> int | None:
+        if self.proc is None or self.proc.poll() is not None:
+            return None if self.proc is None else self.proc.returncode
+        self.proc.terminate()
+        try:
+            return self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return self.proc.wait()
+
+
+def run_one(name: str, command: list[str], port: int, log: Path, workload, args) -> dict:
+    from omlx_core.bench.serving import Server, run_serving
+
+    server = Subprocess(name, command, port, log)
+    try:
+        print(f"{name}: starting on port {port}", file=sys.stderr)
+        startup = server.start(args.startup_timeout)
+        print(f"{name}: /health 200 after {startup:.1f} s; {workload.requests} requests, "
+              f"{args.concurrency} concurrent", file=sys.stderr)
+        document = run_serving(Server(server.url, None, None, args.endpoint, args.timeout),
+                               workload, _progress(name) if not args.quiet else None)
+    finally:
+        code = server.stop(args.stop_timeout)
+    result = document["results"][0]
+    print(f"{name}: {result['generation_tps'] or 0:.2f} tok/s, {result['completed']}/"
+          f"{result['requests']} done, stopped (exit {code})", file=sys.stderr)
+    return {"server": name, "command": command, "startup_s": round(startup, 2),
+            "exit_code": code, "log": str(log), "result": result, "document": document}
+
+
+def _progress(name: str):
+    shown = {"at": 0.0}
+
+    def report(done: int, total: int, what: str) -> None:
+        now = time.perf_counter()
+        if what or done == total or now - shown["at"] > 10:
+            shown["at"] = now
+            print(f"{name}: {done}/{total} {what}".rstrip(), file=sys.stderr)
+
+    return report
+
+
+def _median(values):
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
+
+
+def summarize(runs: list[dict], gen: int) -> dict:
+    results = [run["result"] for run in runs]
+    return {
+        "generation_tps": _median(r["generation_tps"] for r in results),
+        "request_throughput_rps": _median(r["request_throughput_rps"] for r in results),
+        "ttft_p50_s": _median(r["ttft_s"]["p50"] for r in results),
+        "ttft_p99_s": _median(r["ttft_s"]["p99"] for r in results),
+        "tpot_p50_s": _median(r["tpot_s"]["p50"] for r in results),
+        "completion_tokens_mean": _median(r["completion_tokens_mean"] for r in results),
+        "prompt_tokens_mean": _median(r["prompt_tokens_mean"] for r in results),
+        "completed": sum(r["completed"] for r in results),
+        "requests": sum(r["requests"] for r in results),
+        "errors": {k: sum(r["errors"].get(k, 0) for r in results)
+                   for k in sorted({k for r in results for k in r["errors"]})},
+        "reached_gen": all((r["completion_tokens_mean"] or 0) >= gen for r in results),
+        "startup_s": _median(run["startup_s"] for run in runs),
+        "samples_tps": [r["generation_tps"] for r in results],
+    }
+
+
+def run(args) -> dict:
+    from omlx_core.bench.serving import ServingWorkload
+    from omlx_core.home import resolve_home
+    from omlx_core.models.resolve import resolve
+
+    home = resolve_home(args.home)
+    ref = resolve(args.model, home)  # imports `default` from its GGUF on first use
+    workload = ServingWorkload((args.ctx,), args.gen, (args.concurrency,), args.requests,
+                               args.warmup, args.seed)
+    logs = Path(args.log_dir) if args.log_dir else Path(tempfile.mkdtemp(prefix="omlx-bench-serve-"))
+    logs.mkdir(parents=True, exist_ok=True)
+    order = [args.first, MLX_LM if args.first == OMLX else OMLX]
+    runs = {OMLX: [], MLX_LM: []}
+    sequence = []
+    for round_ in range(args.rounds):
+        for name in (order if round_ % 2 == 0 else order[::-1]):
+            port = free_port()
+            command = omlx_command(home, args.model, port, args.concurrency) if name == OMLX \
+                else mlx_lm_command(ref.path, port)
+            found = run_one(name, command, port, logs / f"{name}-{round_}.log", workload, args)
+            found["round"] = round_
+            runs[name].append(found)
+            sequence.append(name)
+    if not args.log_dir and not args.keep_logs:
+        shutil.rmtree(logs, ignore_errors=True)
+
+    summary = {name: summarize(found, args.gen) for name, found in runs.items()}
+    ours, theirs = summary[OMLX]["generation_tps"], summary[MLX_LM]["generation_tps"]
+    ratio = ours / theirs if ours and theirs else None
+    per_round = [a["result"]["generation_tps"] / b["result"]["generation_tps"]
+                 if a["result"]["generation_tps"] and b["result"]["generation_tps"] else None
+                 for a, b in zip(runs[OMLX], runs[MLX_LM])]
+    header = runs[OMLX][0]["document"]
+    return {
+        "benchmark": "serve", "created": header["created"], "versions": header["versions"],
+        "hardware": header["hardware"],
+        "model": {"ref": args.model, "name": ref.name, "path": str(ref.path)},
+        "workload": {**workload.as_dict(), "endpoint": args.endpoint, "rounds": args.rounds},
+        "order": sequence,
+        "summary": summary,
+        "ratio_generation_tps": ratio,
+        "ratio_per_round": per_round,
+        "rounds": {name: [{k: v for k, v in run.items() if k != "document"} for run in found]
+                   for name, found in runs.items()},
+        "logs": str(logs) if args.log_dir or args.keep_logs else None,
+    }
+
+
+def _ms(seconds) -> str:
+    return "-" if seconds is None else f"{seconds * 1000:,.0f}"
+
+
+def _num(value, digits: int = 2) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def final_line(report: dict) -> str:
+    s, ratio = report["summary"], report["ratio_generation_tps"]
+    conc = report["workload"]["concurrency"][0]
+    shown = "-" if ratio is None else f"{ratio:.2f}"
+    return (f"omlx/mlx-lm generation tok/s ratio: {shown}× (omlx {_num(s[OMLX]['generation_tps'])} "
+            f"tok/s, mlx-lm {_num(s[MLX_LM]['generation_tps'])} tok/s, {conc} concurrent)")
+
+
+def ttft_line(report: dict) -> str:
+    s = report["summary"]
+    return (f"TTFT p50/p99: omlx {_ms(s[OMLX]['ttft_p50_s'])}/{_ms(s[OMLX]['ttft_p99_s'])} ms, "
+            f"mlx-lm {_ms(s[MLX_LM]['ttft_p50_s'])}/{_ms(s[MLX_LM]['ttft_p99_s'])} ms")
+
+
+def print_table(report: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    w, s = report["workload"], report["summary"]
+    title = (f"{report['model']['name']}: {w['concurrency'][0]} concurrent, {w['requests']} requests, "
+             f"ctx {w['ctx'][0]}, gen {w['gen']}, {w['endpoint']}; median of {w['rounds']} "
+             f"round{'s' if w['rounds'] > 1 else ''}")
+    table = Table("server", "gen tok/s", "req/s", "TTFT ms p50", "TTFT ms p99", "TPOT ms p50",
+                  "tokens/req", "prompt tok", "done", "errors", "startup s", title=title)
+    for name in (OMLX, MLX_LM):
+        r = s[name]
+        table.add_row(name, _num(r["generation_tps"]), _num(r["request_throughput_rps"], 3),
+                      _ms(r["ttft_p50_s"]), _ms(r["ttft_p99_s"]), _ms(r["tpot_p50_s"]),
+                      _num(r["completion_tokens_mean"], 1), _num(r["prompt_tokens_mean"], 0),
+                      f"{r['completed']}/{r['requests']}",
+                      ", ".join(f"{k}: {v}" for k, v in r["errors"].items()) or "0",
+                      _num(r["startup_s"], 1))
+    console = Console(width=None if sys.stdout.isatty() else 160)  # a pipe gets the whole table
+    console.print(table)
+    if w["rounds"] > 1:
+        rounds = ", ".join(_num(x) for x in report["ratio_per_round"])
+        console.print(f"per-round ratios: {rounds}; order {' '.join(report['order'])}", style="dim")
+    for name in (OMLX, MLX_LM):
+        if not s[name]["reached_gen"]:
+            console.print(f"note: {name} stopped before --gen {w['gen']} tokens on average "
+                          f"({_num(s[name]['completion_tokens_mean'], 1)}/request)", style="yellow")
+    console.print(f"{report['created']} · hardware {report['hardware']['fingerprint']} · "
+                  f"omlx {report['versions']['omlx']}, mlx {report['versions']['mlx']}, "
+                  f"mlx-lm {report['versions']['mlx_lm']} · {report['model']['path']}", style="dim")
+    print(ttft_line(report))
+    print(final_line(report))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="default",
+                        help="a path, a name under $OMLX_HOME/models, or default (default)")
+    parser.add_argument("--home", default=None, help="omlx home (default: $OMLX_HOME or ~/.omlx)")
+    parser.add_argument("--concurrency", type=int, default=8, help="streaming clients (default 8)")
+    parser.add_argument("--requests", type=int, default=32, help="measured requests per server per round")
+    parser.add_argument("--ctx", type=int, default=128, help="prompt tokens (default 128)")
+    parser.add_argument("--gen", type=int, default=64, help="max_tokens per request (default 64)")
+    parser.add_argument("--warmup", type=int, default=1,
+                        help="uncounted requests before the measured ones (default 1)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--endpoint", choices=("completions", "chat"), default="completions")
+    parser.add_argument("--rounds", type=int, default=1, help="A/B rounds, order alternating (default 1)")
+    parser.add_argument("--first", choices=(MLX_LM, OMLX), default=MLX_LM,
+                        help="which server runs first in round 0 (default mlx-lm)")
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
+    parser.add_argument("--startup-timeout", type=float, default=300.0,
+                        help="seconds to wait for /health 200")
+    parser.add_argument("--stop-timeout", type=float, default=20.0,
+                        help="seconds between SIGTERM and SIGKILL")
+    parser.add_argument("--log-dir", default=None, help="keep server logs here (default: a temp dir)")
+    parser.add_argument("--keep-logs", action="store_true", help="keep the temp dir of server logs")
+    parser.add_argument("--quiet", action="store_true", help="no progress on stderr")
+    parser.add_argument("--json", action="store_true", help="print one JSON report")
+    args = parser.parse_args()
+    for flag in ("concurrency", "requests", "ctx", "gen", "rounds"):
+        if getattr(args, flag) < 1:
+            parser.error(f"--{flag}: {getattr(args, flag)} is too small; use 1 or more")
+    if args.warmup < 0:
+        parser.error(f"--warmup: {args.warmup} is too small; use 0 or more")
+    report = run(args)
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        print_table(report)
+    failed = [name for name, r in report["summary"].items() if r["completed"] == 0]
+    if failed:
+        raise SystemExit(f"no request succeeded on {', '.join(failed)}; see the errors column")
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    main()
