@@ -87,3 +87,14 @@ def test_serving_bench_counts_errors_and_fails_when_nothing_succeeds(home):
     assert "no request succeeded" in result.stderr
     (level,) = schema.loads(result.stdout)["results"]
     assert level["completed"] == 0 and level["errors"] == {"ConnectError": 2}
+
+
+def test_serving_bench_against_omlx_serve_counts_exact_tokens(home, start_server, tmp_path):
+    build_tiny_model("llama", home / "models" / "tiny")
+    server = start_server(home, "--model", "tiny")
+    result = run_omlx(home, "bench", "--url", server.url, "--concurrency", "1,4", "--requests", "4",
+                      "--ctx", "32", "--gen", "6", "--json", check=True)
+    for level in schema.loads(result.stdout)["results"]:
+        assert level["completed"] == 4 and level["errors"] == {}
+        assert level["completion_tokens_mean"] == 6  # omlx honours ignore_eos: exactly --gen
+        assert level["generation_tps"] > 0

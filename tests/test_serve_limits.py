@@ -104,3 +104,35 @@ def test_a_taken_port_is_a_one_line_error(start_server, tiny_home):
     result = run_omlx(tiny_home, "serve", "--model", TINY, "--port", str(server.port))
     assert result.returncode == 1 and f"cannot listen on 127.0.0.1:{server.port}" in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_models_load_on_first_use_and_the_least_recent_unpinned_is_unloaded(start_server, tmp_path_factory):
+    from mlx_lm.utils import load
+
+    home = tmp_path_factory.mktemp("lru-home")
+    for seed, name in enumerate(("pinned", "second", "third")):
+        build_tiny_model("llama", home / "models" / name, seed=seed)
+    loaded = weights_bytes(load(str(home / "models" / "pinned"))[0])
+    on_disk = sum(f.stat().st_size for f in (home / "models" / "pinned").glob("*.safetensors"))
+    hard = 2 * loaded + max(loaded, on_disk) // 2  # room for two models, never three
+    env = omlx_env(home, OMLX_MEMORY_HARD_WATERMARK=str(hard), OMLX_MEMORY_SOFT_WATERMARK=str(hard))
+    server = start_server(home, "--model", "pinned", env=env)
+
+    def ask(model: str) -> list[str]:
+        reply = httpx.post(server.url + "/v1/completions", timeout=120,
+                           json={"model": model, "prompt": "hi", "max_tokens": 2})
+        assert reply.status_code == 200, reply.text
+        return sorted(m["id"] for m in httpx.get(server.url + "/api/status").json()["models"])
+
+    assert ask("second") == ["pinned", "second"]
+    assert ask("third") == ["pinned", "third"]  # second was idle and least recently used
+    assert ask("pinned") == ["pinned", "third"]
+    assert ask("second") == ["pinned", "second"]
+
+
+def test_above_the_soft_watermark_the_prefill_chunk_shrinks(start_server, tiny_home):
+    env = omlx_env(tiny_home, OMLX_MEMORY_SOFT_WATERMARK="1KiB")  # always above it
+    server = start_server(tiny_home, "--model", TINY, env=env)
+    assert complete(server.url, max_tokens=8).status_code == 200
+    memory = httpx.get(server.url + "/api/status").json()["memory"]
+    assert memory["over_soft"] and memory["prefill_chunk"] == 256  # halved step by step to the floor

@@ -80,6 +80,8 @@ def create_app(server) -> FastAPI:
         future = server.engine.call(lambda: server.registry.get(model_id))
         try:
             return await asyncio.wrap_future(future)
+        except MemoryRefused as refusal:  # no room for its weights, even after unloading others
+            raise memory_refused(refusal) from refusal
         except Exception as error:  # noqa: BLE001 - a model that cannot load is the server's fault
             raise server_error(f"model {model_id!r} could not be loaded: {error}") from error
 

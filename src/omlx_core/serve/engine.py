@@ -94,6 +94,10 @@ class Engine:
         chunk = int(model.settings["prefill.chunk_size"])
         return worst_case_kv_bytes(model.kv, prompt_tokens, max_tokens, prefill_chunk=chunk)
 
+    def busy_models(self) -> set[str]:
+        """Models with requests generating (engine thread), which must not be unloaded."""
+        return {model_id for model_id, sequences in self._active.items() if sequences}
+
     def active_count(self, model_id: str) -> int:
         return len(self._active.get(model_id, {}))
 
@@ -145,8 +149,7 @@ class Engine:
                 model.prompt_cache.trim_to(n_sequences=0)
                 self._charge_prefix_cache(model)
                 return True
-        busy = {model_id for model_id, seqs in self._active.items() if seqs} | {request.model_id}
-        return self.registry.evict_one(busy)
+        return self.registry.evict_one(self.busy_models() | {request.model_id})
 
     def _admit(self) -> None:
         admitted, refused = self.scheduler.admit(self._kv_bytes, self._make_room)

@@ -6,6 +6,7 @@ happens on the engine thread, so all MLX work stays on one thread.
 
 import gc
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -61,6 +62,7 @@ class ModelRegistry:
         self.home = home
         self.guard = guard
         self.cli_settings = cli_settings or {}
+        self.busy: Callable[[], set[str]] = set  # ids of models with running requests (the engine's)
         self.startup = [locate(name, home) for name in startup]  # fail fast on a bad --model
         self.loaded: dict[str, LoadedModel] = {}
 
@@ -90,9 +92,21 @@ class ModelRegistry:
         if loaded is None:
             pinned = any(ref.name == model_id for ref in self.startup)
             ref = next((r for r in self.startup if r.name == model_id), None) or locate(model_id, self.home)
+            self._make_room_for(ref)
             loaded = self._load(ref, pinned)
         loaded.last_used = time.monotonic()
         return loaded
+
+    def _make_room_for(self, ref: ModelRef) -> None:
+        """Unload idle unpinned models, least recently used first, until `ref`'s weights fit."""
+        from omlx_core.memory.guard import MemoryRefused
+        from omlx_core.models.checkpoint import weight_files
+
+        needed = sum(f.stat().st_size for f in weight_files(ref.path)) if ref.path.is_dir() else 0
+        while needed > self.guard.available_bytes():
+            if not self.evict_one(self.busy()):
+                raise MemoryRefused(f"load of {ref.name}", needed, self.guard.available_bytes(),
+                                    self.guard.hard_bytes)
 
     def _load(self, ref: ModelRef, pinned: bool) -> LoadedModel:
         from mlx_lm.models.cache import LRUPromptCache

@@ -1,6 +1,7 @@
 """Admission: a bounded FIFO wait queue, a cap on running requests, and the memory guard.
 
-A request waits while `server.max_concurrency` requests run. Its worst case KV (prompt +
+A request waits while `server.max_concurrency` requests run, or while committed memory is
+above the soft watermark and something is running. Its worst case KV (prompt +
 max_tokens) is reserved with the memory guard before it runs; when the guard refuses and
 nothing else is running (so nothing will free memory), it is refused with 507. FIFO: a
 request that does not fit yet holds the head of the queue, so big requests are not starved.
@@ -52,6 +53,8 @@ class Scheduler:
                 refused += [(request, None) for request in self.waiting if request.cancelled]
                 self.waiting = deque(request for request in self.waiting if not request.cancelled)
             while self.waiting and len(self.running) < self.max_running:
+                if self.running and self.guard.over_soft():
+                    break  # above the soft watermark new work waits for running work
                 request = self.waiting[0]
                 try:
                     self.guard.admit(request.id, request.model_id, kv_bytes(request))

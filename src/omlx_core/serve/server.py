@@ -62,6 +62,7 @@ class Server:
         self.registry = ModelRegistry(home, list(options.models), self.guard, cli)
         self.scheduler = Scheduler(self.guard, options.max_concurrency, options.max_queue)
         self.engine = Engine(self.registry, self.scheduler, self.guard, self.metrics)
+        self.registry.busy = self.engine.busy_models
         self.uvicorn = None
 
     def app(self):
