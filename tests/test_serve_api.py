@@ -181,3 +181,37 @@ def test_health_status_and_metrics(server):
     generated = [line for line in metrics.splitlines()
                  if line.startswith(f'omlx_generation_tokens_total{{model="{TINY}"}}')]
     assert generated and float(generated[0].split()[-1]) > 0
+
+
+def test_bad_requests_do_not_disturb_a_running_stream(server):
+    body = {"model": TINY, "prompt": "keep going", "max_tokens": 120, "stream": True,
+            "ignore_eos": True, "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=120) as response:
+        events = []
+        for line in response.iter_lines():
+            if not line.startswith("data:"):
+                continue
+            events.append(line[5:].strip())
+            if len(events) == 3:  # mid-stream: a burst of bad requests
+                for _, path, bad, status, _ in BAD_REQUESTS:
+                    assert post(server, path, bad).status_code == status
+    assert events[-1] == "[DONE]"
+    assert json.loads(events[-2])["usage"]["completion_tokens"] == 120
+
+
+def test_health_says_loading_until_the_model_is_ready(start_server, tmp_path_factory):
+    home = tmp_path_factory.mktemp("fresh-home")  # the embedded model is imported at start
+    server = start_server(home, ready=False)
+    deadline = time.monotonic() + 60
+    seen = []
+    while time.monotonic() < deadline:
+        try:
+            response = httpx.get(server.url + "/health", timeout=2)
+        except httpx.HTTPError:
+            time.sleep(0.05)
+            continue
+        seen.append((response.status_code, response.json()))
+        if response.status_code == 200:
+            break
+        time.sleep(0.05)
+    assert seen[0] == (503, {"status": "loading"}) and seen[-1] == (200, {"status": "ok"})
