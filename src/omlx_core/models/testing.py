@@ -370,12 +370,16 @@ def build_tiny_model(
     shards: int = 1,
     dtype: str = "bfloat16",
     seed: int = 0,
+    shape: dict | None = None,
 ) -> Path:
     """Write a random checkpoint of `arch` to `dest` (new or empty) and return its path.
 
+    `shape` overrides config keys, e.g. a real model's hidden size and layer count for a
+    benchmark-sized checkpoint; the vocabulary stays the tiny tokenizer's.
     The same arguments give the same bytes. Loads with `mlx_lm.utils.load(str(dest))`.
     """
     config = tiny_config(arch)
+    config.update({key: value for key, value in (shape or {}).items() if key != "vocab_size"})
     float_type = getattr(mx, dtype, None)
     if not isinstance(float_type, mx.Dtype) or not mx.issubdtype(float_type, mx.floating):
         raise InputError(f"dtype must be a float type such as bfloat16, not {dtype!r}")
