@@ -35,7 +35,7 @@ def test_status_text_names_lanes_and_reasons(home):
 
 def test_status_follows_settings_to_enable_the_cpu_lane(home):
     run_omlx(home, "settings", "set", "prefill.lanes", "gpu,cpu", check=True)
-    run_omlx(home, "settings", "set", "prefill.cpu_sharing", "on", check=True)
+    run_omlx(home, "settings", "set", "prefill.cpu_sharing.enabled", "on", check=True)
     report = json.loads(run_omlx(home, "status", "--json", check=True).stdout)
     cpu = next(lane for lane in report["lanes"] if lane["name"] == "cpu")
     assert cpu["enabled"] is True

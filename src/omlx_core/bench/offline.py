@@ -1,10 +1,11 @@
-"""The offline benchmark: one process, one loaded model, every variant on identical prompts.
+"""The offline benchmark: one process, every variant on identical prompts.
 
 For each context length: the prompts are built once from the seed; every variant runs
 `warmup` discarded times (one shared warm-up, so no variant gets a colder machine), then
 the variants take turns, A B A B …, for `repeats` rounds. Interleaving spreads slow drift
 (thermal, a neighbour process) evenly over the variants instead of onto whichever ran
-last. The model is loaded once; stock mlx-lm runs on the same weights.
+last. The model is loaded once per distinct prefill-lane setup (variants that differ only in
+other settings share it); stock mlx-lm runs on an unsplit copy, as mlx-lm would load it.
 """
 
 from collections.abc import Callable
@@ -31,6 +32,7 @@ class _Loaded:
     tokenizer: object
     vocabulary: object
     suppress: set[int]
+    lanes: object = None  # prefill.install.LaneReport, None for the stock model
 
 
 def _vocab_size(ref: ModelRef) -> int:
@@ -40,12 +42,27 @@ def _vocab_size(ref: ModelRef) -> int:
     return int(config.get("vocab_size") or config.get("text_config", {})["vocab_size"])
 
 
-def _load(ref: ModelRef) -> _Loaded:
+def _load(ref: ModelRef, settings: EffectiveSettings | None) -> _Loaded:
+    """The model as `settings` prepare it (prefill lanes installed); None = stock, unsplit."""
+    from omlx_core.models.clone_fp16 import is_fp16_clone
     from omlx_core.models.load import load_model
+    from omlx_core.prefill.install import install_lanes
 
     model, tokenizer = load_model(ref)
+    lanes = None
+    if settings is not None:
+        lanes = install_lanes(model, settings, fp16_clone=is_fp16_clone(ref.path),
+                              warmup_tokens=int(settings["prefill.split_min_tokens"]))
     vocabulary = ordinary_token_ids(tokenizer, _vocab_size(ref))
-    return _Loaded(model, tokenizer, vocabulary, set(tokenizer.eos_token_ids))
+    return _Loaded(model, tokenizer, vocabulary, set(tokenizer.eos_token_ids), lanes)
+
+
+def _lane_key(settings: EffectiveSettings | None) -> tuple:
+    """Variants whose lane settings agree share one loaded model."""
+    if settings is None:
+        return ("stock",)
+    return tuple((key, str(settings[key])) for key in sorted(settings)
+                 if key.startswith(("prefill.lanes", "prefill.cpu_", "prefill.split_")))
 
 
 def _run_once(loaded: _Loaded, variant: Variant, prompts, gen: int, memory: PeakMemory) -> Measurement:
@@ -85,7 +102,13 @@ def run_offline(ref: ModelRef, workload: Workload, variants: list[Variant],
     total = len(workload.ctx) * (workload.warmup + workload.repeats) * len(variants)
     done = 0
     on_progress(done, total, "loading model")
-    loaded = _load(ref)
+    models: dict[tuple, _Loaded] = {}
+    for variant in variants:
+        key = _lane_key(variant.settings)
+        if key not in models:
+            models[key] = _load(ref, variant.settings)
+    loaded_for = {variant.name: models[_lane_key(variant.settings)] for variant in variants}
+    loaded = next(iter(models.values()))
     memory = PeakMemory()
     results = []
     for ctx in workload.ctx:
@@ -97,7 +120,7 @@ def run_offline(ref: ModelRef, workload: Workload, variants: list[Variant],
                 label = f"ctx {ctx} {variant.name} " + ("warm-up" if warm else
                                                         f"{round_ - workload.warmup + 1}/{workload.repeats}")
                 on_progress(done, total, label)
-                measurement = _run_once(loaded, variant, prompts, workload.gen, memory)
+                measurement = _run_once(loaded_for[variant.name], variant, prompts, workload.gen, memory)
                 if not warm:
                     runs[variant.name].append(measurement)
                 done += 1
@@ -115,7 +138,9 @@ def run_offline(ref: ModelRef, workload: Workload, variants: list[Variant],
         "model": {"name": ref.name, "path": str(ref.path), "fingerprint": model_fingerprint(ref.path)},
         "settings": prefill_settings(base_settings),
         "workload": workload.as_dict(),
-        "variants": [variant.describe() for variant in variants],
+        "variants": [{**variant.describe(),
+                      "lanes": loaded_for[variant.name].lanes.as_dict() if loaded_for[variant.name].lanes else None}
+                     for variant in variants],
         "results": results,
         "comparisons": comparisons,
         "gate": None,

@@ -24,7 +24,12 @@ Offline mode (`omlx bench`, in-process):
     workload       {"ctx": [512, …], "gen": 128, "batch": 1, "repeats": 3, "warmup": 1,
                     "seed": 0}
     variants       [{"name": "omlx" | "A" | "B" | "mlx-lm", "runner": "omlx" | "mlx-lm",
-                     "spec": "prefill.chunk_size=512", "settings": {same shape as above}}]
+                     "spec": "prefill.chunk_size=512", "settings": {same shape as above},
+                     "lanes": null | {"lanes": [{"name", "configured", "attempted", "reason",
+                                                 "procedures", "resident_bytes"}], "plan",
+                                      "min_tokens", "build_s", "build_peak_extra_bytes",
+                                      "retained_cache_bytes", "warmup_s", "extra_bytes",
+                                      "split_calls"}}]
     results        [{"variant": name, "ctx": 512, "batch": 1, "gen": 128,
                      "tokens": {"prompt": 512, "generated": 128, "cache": 639 | null},
                      "rss_scope": "run" | "process",

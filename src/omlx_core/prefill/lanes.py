@@ -41,12 +41,10 @@ def lane_statuses(settings: Mapping) -> list[LaneStatus]:
         backend, "MLX's CPU device (no GPU backend on this machine)"
     )
     blas = _blas_name()
-    cpu_enabled = "cpu" in lanes and settings["prefill.cpu_sharing"]
-    cpu_reason = (
-        f"host BLAS through numpy ({blas}); "
-        + ("on" if cpu_enabled else "off: experimental, enable prefill.cpu_sharing and add cpu to prefill.lanes")
-        + "; heterogeneous prefill is not built in this version, so prefill runs on the gpu lane"
-    )
+    cpu_enabled = "cpu" in lanes and settings["prefill.cpu_sharing.enabled"]
+    cpu_reason = f"host BLAS through numpy ({blas}); " + (
+        "on for FP16 clones" if cpu_enabled else
+        "off: experimental, set prefill.cpu_sharing.enabled and add cpu to prefill.lanes")
     apple = platform.system() == "Darwin" and platform.machine() == "arm64"
     ane_reason = "the ANE lane is not built in this version" if apple else "requires Apple Silicon"
     return [

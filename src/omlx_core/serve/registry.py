@@ -27,6 +27,7 @@ class LoadedModel:
     settings: object
     kv: object  # memory.kv.KVProfile
     weights_bytes: int
+    lanes: object  # prefill.install.LaneReport
     context_length: int
     vocab_size: int
     pinned: bool
@@ -114,6 +115,8 @@ class ModelRegistry:
         from omlx_core.memory.capacity import watermark_bytes
         from omlx_core.memory.kv import kv_profile
         from omlx_core.memory.weights import weights_bytes
+        from omlx_core.models.clone_fp16 import is_fp16_clone
+        from omlx_core.prefill.install import install_lanes
 
         ref = resolve(ref.name if ref.embedded else str(ref.path), self.home)
         settings = load_settings(self.home, ref.key, cli=self.cli_settings)
@@ -121,9 +124,13 @@ class ModelRegistry:
         config = _text_config(ref.path)
         size = weights_bytes(model)
         self.guard.register_weights(ref.name, size)
+        lanes = install_lanes(model, settings, fp16_clone=is_fp16_clone(ref.path),
+                              warmup_tokens=int(settings["prefill.split_min_tokens"]))
+        if lanes.extra_bytes:
+            self.guard.register_extra(f"prefill_lanes:{ref.name}", lanes.extra_bytes)
         loaded = LoadedModel(
             ref=ref, model=model, tokenizer=tokenizer, fingerprint=model_fingerprint(ref.path),
-            settings=settings, kv=kv_profile(model), weights_bytes=size,
+            settings=settings, kv=kv_profile(model), weights_bytes=size, lanes=lanes,
             context_length=_context_length(config, tokenizer),
             vocab_size=int(config.get("vocab_size") or len(tokenizer)), pinned=pinned,
             prompt_cache=LRUPromptCache(max_size=PREFIX_CACHE_ENTRIES),
@@ -142,6 +149,7 @@ class ModelRegistry:
         del self.loaded[victim.id]
         self.guard.release_weights(victim.id)
         self.guard.release_extra(f"prefix_cache:{victim.id}")
+        self.guard.release_extra(f"prefill_lanes:{victim.id}")
         if victim.generator is not None:
             victim.generator.close()
         del victim

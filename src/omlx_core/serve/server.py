@@ -24,9 +24,6 @@ from omlx_core.serve.registry import ModelRegistry
 from omlx_core.serve.scheduler import Scheduler
 from omlx_core.settings import load_settings
 
-PROCEDURES = ("mlp", "gdn", "dual", "resident")
-
-
 @dataclass(frozen=True)
 class ServerOptions:
     models: tuple[str, ...]  # loaded at start and pinned; the first is the default
@@ -94,8 +91,7 @@ class Server:
                 "prefix_cache": {"entries": len(model.prompt_cache), "bytes": model.prompt_cache.nbytes,
                                  "budget_bytes": model.prompt_cache_budget},
                 "active_profile": model.settings.profile,
-                "prefill": {"chunk_size": model.settings["prefill.chunk_size"],
-                            "lanes": _lanes(model.settings)},
+                "prefill": _prefill(model),
             })
         return {
             "version": __version__, "uptime_s": round(time.time() - self.started_at, 3),
@@ -151,8 +147,10 @@ def _listen(host: str, port: int) -> socket.socket:
     return listener
 
 
-def _lanes(settings) -> list[dict]:
-    """Per lane what prefill tried: zeros and the reason until split lanes run (see prefill/)."""
-    return [{"name": lane.name, "attempted": False, "configured": lane.enabled,
-             "eligible": lane.eligible, "reason": lane.reason,
-             "procedures": {name: 0 for name in PROCEDURES}} for lane in lane_statuses(settings)]
+def _prefill(model) -> dict:
+    """The model's prefill setup: each lane's state (eligible from this machine) and the build."""
+    eligible = {lane.name: lane.eligible for lane in lane_statuses(model.settings)}
+    report = model.lanes.as_dict()
+    for lane in report["lanes"]:
+        lane["eligible"] = eligible[lane["name"]]
+    return {"chunk_size": model.settings["prefill.chunk_size"], **report}

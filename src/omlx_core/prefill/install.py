@@ -1,0 +1,148 @@
+"""Install the split plan on a loaded model: gate it, build lane weights in stages, warm up.
+
+`install_lanes` is what every caller runs after loading (serve, bench, tune): it decides
+from the settings and the checkpoint whether any lane besides gpu may take work, replaces
+the target modules by name with `SplitLinear`s one layer at a time (each layer's cpu slice
+is converted, kept by the lane, and its intermediates released before the next; MLX's
+buffer cache is cleared at the end), optionally runs one warm-up prefill, and returns a
+`LaneReport` for /api/status, `omlx status` and the memory guard (`extra_bytes`).
+"""
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+
+from omlx_core.prefill.lanes import lane_statuses
+from omlx_core.prefill.plan import TARGET_KINDS, SplitPlan, find_targets
+from omlx_core.prefill.split import SplitLinear
+
+log = logging.getLogger("omlx.prefill")
+
+PROCEDURES = ("mlp", "gdn", "dual", "resident")
+FP16_NEEDED = "CPU sharing needs an FP16 clone: run omlx clone-fp16 SRC DST and serve the clone"
+
+
+@dataclass
+class LaneState:
+    name: str
+    configured: bool  # the settings ask for it
+    attempted: bool = False  # installation was tried
+    reason: str = ""
+    procedures: dict[str, int] = field(default_factory=lambda: dict.fromkeys(PROCEDURES, 0))
+    resident_bytes: int = 0
+
+    def as_dict(self) -> dict:
+        return {"name": self.name, "configured": self.configured, "attempted": self.attempted,
+                "reason": self.reason, "procedures": dict(self.procedures),
+                "resident_bytes": self.resident_bytes}
+
+
+@dataclass
+class LaneReport:
+    lanes: list[LaneState]
+    plan: dict
+    min_tokens: int
+    build_s: float = 0.0
+    build_peak_extra_bytes: int = 0  # MLX memory above the model's during the staged build
+    retained_cache_bytes: int = 0  # MLX buffer cache left after it
+    warmup_s: float = 0.0
+    split_layers: list[SplitLinear] = field(default_factory=list, repr=False)
+
+    @property
+    def extra_bytes(self) -> int:
+        """What the lanes hold beyond the model's own weights (charged to the memory guard)."""
+        return sum(lane.resident_bytes for lane in self.lanes)
+
+    def as_dict(self) -> dict:
+        return {"lanes": [lane.as_dict() for lane in self.lanes], "plan": self.plan,
+                "min_tokens": self.min_tokens, "build_s": round(self.build_s, 3),
+                "build_peak_extra_bytes": self.build_peak_extra_bytes,
+                "retained_cache_bytes": self.retained_cache_bytes,
+                "warmup_s": round(self.warmup_s, 3), "extra_bytes": self.extra_bytes,
+                "split_calls": sum(layer.calls for layer in self.split_layers)}
+
+
+def plan_from_settings(settings) -> SplitPlan:
+    return SplitPlan({kind: {"cpu": float(settings[f"prefill.cpu_share.{kind}"])} for kind in TARGET_KINDS})
+
+
+def install_lanes(model, settings, *, fp16_clone: bool, warmup_tokens: int = 0) -> LaneReport:
+    """Split `model`'s targets across the lanes the settings enable; returns what happened."""
+    statuses = {lane.name: lane for lane in lane_statuses(settings)}
+    plan = plan_from_settings(settings)
+    min_tokens = int(settings["prefill.split_min_tokens"])
+    states = {name: LaneState(name, status.enabled, reason=status.reason) for name, status in statuses.items()}
+    report = LaneReport(list(states.values()), {k: dict(v) for k, v in plan.shares.items()}, min_tokens)
+    states["gpu"].reason = statuses["gpu"].reason + "; computes every channel no other lane takes"
+    cpu = states["cpu"]
+    if not cpu.configured:
+        return report
+    cpu.attempted = True
+    if not statuses["cpu"].eligible:
+        return report
+    if not fp16_clone:
+        cpu.reason = FP16_NEEDED
+        log.warning("prefill cpu lane not installed: %s", FP16_NEEDED)
+        return report
+    targets = find_targets(model)
+    if not any(s.lane == "cpu" for t in targets for s in plan.slices(t)):
+        cpu.reason = ("no cpu share: set prefill.cpu_share.mlp_gate_up / mlp_down / gdn_qkv "
+                      "(or run omlx tune)" if targets else "this model has no split targets")
+        log.warning("prefill cpu lane installed nothing: %s", cpu.reason)
+        return report
+    _build(model, targets, plan, min_tokens, report, cpu)
+    cpu.reason = (f"host BLAS through numpy, float32; {sum(cpu.procedures[p] for p in ('mlp', 'gdn'))} "
+                  f"projections split at >= {min_tokens} tokens")
+    if warmup_tokens:
+        report.warmup_s = warm_up(model, warmup_tokens)
+    return report
+
+
+def _build(model, targets, plan, min_tokens, report: LaneReport, cpu: LaneState) -> None:
+    """Replace targets layer by layer, measuring the build's transient MLX memory."""
+    start = time.perf_counter()
+    mx.synchronize()
+    base = mx.get_active_memory()
+    mx.reset_peak_memory()
+    modules = dict(model.named_modules())
+    for target in targets:
+        slices = plan.slices(target)
+        if not any(s.lane == "cpu" for s in slices):
+            continue
+        split = SplitLinear(target.path, modules[target.path], slices, min_tokens)
+        _replace(model, target.path, split)
+        report.split_layers.append(split)
+        cpu.procedures["gdn" if target.kind == "gdn_qkv" else "mlp"] += 1
+        cpu.procedures["resident"] += 1
+        cpu.resident_bytes += split.lane_bytes
+        mx.synchronize()
+    report.build_peak_extra_bytes = max(0, mx.get_peak_memory() - base)
+    mx.clear_cache()
+    report.retained_cache_bytes = mx.get_cache_memory()
+    report.build_s = time.perf_counter() - start
+
+
+def _replace(model, path: str, module) -> None:
+    """Set the submodule at dotted `path` (list indices included) to `module`."""
+    *parents, last = path.split(".")
+    owner = model
+    for part in parents:
+        owner = owner[int(part)] if isinstance(owner, list) else getattr(owner, part)
+    if isinstance(owner, list):
+        owner[int(last)] = module
+    else:
+        setattr(owner, last, module)
+
+
+def warm_up(model, tokens: int) -> float:
+    """One throwaway prefill of `tokens` tokens, so the first request runs at steady speed."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    start = time.perf_counter()
+    cache = make_prompt_cache(model)
+    mx.eval(model(mx.zeros((1, tokens), dtype=mx.int32), cache=cache))
+    del cache
+    mx.clear_cache()
+    return time.perf_counter() - start

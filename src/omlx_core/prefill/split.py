@@ -1,0 +1,139 @@
+"""Split linears: one projection computed as output-channel slices on several lanes at once.
+
+This is the one way omlx changes a model: a target module is replaced, by name, with a
+`SplitLinear` that keeps the original for decode and small inputs and, for prefill-sized
+inputs, computes the gpu rows with MLX while the cpu lane computes its rows with host BLAS
+on its own thread, then concatenates along the output dimension. mlx-lm's functions are
+never patched.
+
+The cpu lane holds its slice as float32 numpy (BLAS has no fast float16 GEMM), made once
+at build time, dequantized when the layer is quantized. If the cpu lane fails, the MLX
+work already queued for the step is evaluated first, then the error is raised with the
+layer's name: no dangling GPU work, never a partial result.
+"""
+
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+
+from omlx_core.errors import OmlxError
+from omlx_core.prefill.plan import Slice
+
+DEFAULT_MIN_TOKENS = 256
+BUILD_BLOCKS = 8  # a cpu slice is converted in this many row blocks
+
+_executor: ThreadPoolExecutor | None = None
+_executor_lock = threading.Lock()
+
+
+def cpu_lane() -> ThreadPoolExecutor:
+    """The cpu lane's one thread: BLAS threads itself; one call at a time keeps order."""
+    global _executor
+    with _executor_lock:
+        if _executor is None:
+            _executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="omlx-cpu-lane")
+        return _executor
+
+
+def dense_rows(module, start: int, stop: int, dtype=mx.float32) -> mx.array:
+    """Rows [start, stop) of a linear's weight as `dtype` (dequantized if need be)."""
+    if isinstance(module, nn.QuantizedLinear):
+        return mx.dequantize(module.weight[start:stop], module.scales[start:stop],
+                             module.biases[start:stop] if module.biases is not None else None,
+                             group_size=module.group_size, bits=module.bits, mode=module.mode,
+                             dtype=dtype)
+    return module.weight[start:stop].astype(dtype)
+
+
+def rows_of(module, start: int, stop: int) -> nn.Module:
+    """A linear computing rows [start, stop) only; its arrays are slices of the original's."""
+    if isinstance(module, nn.QuantizedLinear):
+        part = nn.QuantizedLinear.__new__(nn.QuantizedLinear)
+        nn.Module.__init__(part)
+        part.group_size, part.bits, part.mode = module.group_size, module.bits, module.mode
+        part.weight, part.scales = module.weight[start:stop], module.scales[start:stop]
+        if module.biases is not None:
+            part.biases = module.biases[start:stop]
+        else:
+            part.biases = None
+    else:
+        part = nn.Linear.__new__(nn.Linear)
+        nn.Module.__init__(part)
+        part.weight = module.weight[start:stop]
+    if "bias" in module:
+        part.bias = module.bias[start:stop]
+    part.freeze()
+    return part
+
+
+class CpuSlice:
+    """The cpu lane's rows of one linear: float32 weight (out, in) and optional bias."""
+
+    def __init__(self, module, piece: Slice):
+        # Converted in row blocks straight into the lane's array, so the build never holds
+        # more than a fraction of one slice in MLX memory on top of the model.
+        self.weight = np.empty((piece.size, module.weight.shape[1] * (32 // module.bits)
+                                if isinstance(module, nn.QuantizedLinear) else module.weight.shape[1]),
+                               dtype=np.float32)
+        step = -(-piece.size // BUILD_BLOCKS)
+        for row in range(0, piece.size, step):
+            block = dense_rows(module, piece.start + row, min(piece.start + row + step, piece.stop))
+            self.weight[row:row + block.shape[0]] = np.array(block)
+            del block
+        self.bias = (np.array(module.bias[piece.start:piece.stop].astype(mx.float32))
+                     if "bias" in module else None)
+
+    @property
+    def nbytes(self) -> int:
+        return self.weight.nbytes + (self.bias.nbytes if self.bias is not None else 0)
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        out = x @ self.weight.T
+        if self.bias is not None:
+            out += self.bias
+        return out
+
+
+class SplitLinear(nn.Module):
+    """A linear whose prefill runs as a gpu slice and a cpu slice at once."""
+
+    def __init__(self, path: str, original, slices: list[Slice], min_tokens: int = DEFAULT_MIN_TOKENS):
+        super().__init__()
+        self.path = path
+        self.original = original
+        self.slices = slices
+        self.min_tokens = min_tokens
+        # The gpu rows are sliced per call (views, no copy): a stored part would count the
+        # same weights twice in the model's parameters.
+        self.gpu_rows = next(((s.start, s.stop) for s in slices if s.lane == "gpu"), None)
+        cpu = next((s for s in slices if s.lane == "cpu"), None)
+        self.cpu = CpuSlice(original, cpu) if cpu else None
+        self.calls = 0  # prefill calls that took the split path
+        self.freeze()
+
+    @property
+    def lane_bytes(self) -> int:
+        return self.cpu.nbytes if self.cpu is not None else 0
+
+    def __call__(self, x: mx.array) -> mx.array:
+        tokens = x.size // x.shape[-1]
+        if tokens < self.min_tokens or self.cpu is None:
+            return self.original(x)
+        self.calls += 1
+        mx.eval(x)
+        host = np.array(x.astype(mx.float32) if x.dtype != mx.float32 else x)
+        future: Future = cpu_lane().submit(self.cpu, host)
+        gpu_out = rows_of(self.original, *self.gpu_rows)(x) if self.gpu_rows else None
+        if gpu_out is not None:
+            mx.async_eval(gpu_out)
+        try:
+            cpu_out = future.result()
+        except Exception as error:
+            if gpu_out is not None:
+                mx.eval(gpu_out)  # drain what was queued before reporting
+            raise OmlxError(f"prefill cpu lane failed in {self.path}: {type(error).__name__}: {error}") from error
+        cpu_part = mx.array(cpu_out).astype(x.dtype)
+        return cpu_part if gpu_out is None else mx.concatenate([gpu_out, cpu_part], axis=-1)
