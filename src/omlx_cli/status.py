@@ -96,3 +96,7 @@ def _render(report: dict) -> None:
         table.add_row(lane["name"], "yes" if lane["eligible"] else "[yellow]ineligible[/]",
                       "on" if lane["enabled"] else "off", lane["reason"])
     console.print(table)
+    fast = report["fast_paths"]
+    console.print("fast paths  " + ", ".join(
+        f"{name.replace('_', '-')} {'on' if path['enabled'] else 'off'} (>= {path['min_tokens']} tokens)"
+        for name, path in fast.items()))

@@ -73,4 +73,10 @@ def offline_status(home: Path) -> dict:
         },
         "models_dir": str(models_dir(home)),
         "lanes": [lane.as_dict() for lane in lanes],
+        "fast_paths": {
+            "dequantize_to_dense": {"enabled": settings["prefill.dense.enabled"],
+                                    "min_tokens": settings["prefill.dense_min_tokens"]},
+            "chunked_gdn": {"enabled": settings["prefill.chunked_gdn"],
+                            "min_tokens": settings["prefill.chunked_gdn_min_tokens"]},
+        },
     }

@@ -46,23 +46,23 @@ def _load(ref: ModelRef, settings: EffectiveSettings | None) -> _Loaded:
     """The model as `settings` prepare it (prefill lanes installed); None = stock, unsplit."""
     from omlx_core.models.clone_fp16 import is_fp16_clone
     from omlx_core.models.load import load_model
-    from omlx_core.prefill.install import install_lanes
+    from omlx_core.prefill.install import install_prefill
 
     model, tokenizer = load_model(ref)
     lanes = None
     if settings is not None:
-        lanes = install_lanes(model, settings, fp16_clone=is_fp16_clone(ref.path),
+        lanes = install_prefill(model, settings, fp16_clone=is_fp16_clone(ref.path),
                               warmup_tokens=int(settings["prefill.split_min_tokens"]))
     vocabulary = ordinary_token_ids(tokenizer, _vocab_size(ref))
     return _Loaded(model, tokenizer, vocabulary, set(tokenizer.eos_token_ids), lanes)
 
 
 def _lane_key(settings: EffectiveSettings | None) -> tuple:
-    """Variants whose lane settings agree share one loaded model."""
+    """Variants whose prefill setup (lanes, fast paths) agrees share one loaded model."""
     if settings is None:
         return ("stock",)
     return tuple((key, str(settings[key])) for key in sorted(settings)
-                 if key.startswith(("prefill.lanes", "prefill.cpu_", "prefill.split_")))
+                 if key.startswith("prefill.") and key != "prefill.chunk_size")
 
 
 def _run_once(loaded: _Loaded, variant: Variant, prompts, gen: int, memory: PeakMemory) -> Measurement:

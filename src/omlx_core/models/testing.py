@@ -360,6 +360,15 @@ def _save_shards(dest: Path, model: nn.Module, shards: int) -> None:
         json.dump(index, f, indent=4)
 
 
+def _reshape(text: dict, shape: dict) -> None:
+    """Apply shape overrides to a (text) config, keeping the layer pattern consistent."""
+    text.update({key: value for key, value in shape.items() if key != "vocab_size"})
+    if "layer_types" in text and len(text["layer_types"]) != text["num_hidden_layers"]:
+        interval = text.get("full_attention_interval", 4)
+        text["layer_types"] = ["full_attention" if (i + 1) % interval == 0 else "linear_attention"
+                               for i in range(text["num_hidden_layers"])]
+
+
 def build_tiny_model(
     arch: str,
     dest: Path,
@@ -379,7 +388,7 @@ def build_tiny_model(
     The same arguments give the same bytes. Loads with `mlx_lm.utils.load(str(dest))`.
     """
     config = tiny_config(arch)
-    config.update({key: value for key, value in (shape or {}).items() if key != "vocab_size"})
+    _reshape(config.get("text_config", config), shape or {})
     float_type = getattr(mx, dtype, None)
     if not isinstance(float_type, mx.Dtype) or not mx.issubdtype(float_type, mx.floating):
         raise InputError(f"dtype must be a float type such as bfloat16, not {dtype!r}")

@@ -1,6 +1,7 @@
-"""Install the split plan on a loaded model: gate it, build lane weights in stages, warm up.
+"""Prepare a loaded model's prefill: fast paths, then the split plan, then a warm-up.
 
-`install_lanes` is what every caller runs after loading (serve, bench, tune): it decides
+`install_prefill` is what every caller runs after loading (serve, bench, tune). It
+installs the parity-keeping fast paths the settings enable (`fast_paths`), then decides
 from the settings and the checkpoint whether any lane besides gpu may take work, replaces
 the target modules by name with `SplitLinear`s one layer at a time (each layer's cpu slice
 is converted, kept by the lane, and its intermediates released before the next; MLX's
@@ -14,6 +15,7 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
+from omlx_core.prefill.fast_paths import FastPathReport, install_fast_paths
 from omlx_core.prefill.lanes import lane_statuses
 from omlx_core.prefill.plan import TARGET_KINDS, SplitPlan, find_targets
 from omlx_core.prefill.split import SplitLinear
@@ -49,11 +51,13 @@ class LaneReport:
     retained_cache_bytes: int = 0  # MLX buffer cache left after it
     warmup_s: float = 0.0
     split_layers: list[SplitLinear] = field(default_factory=list, repr=False)
+    fast_paths: FastPathReport = field(default_factory=FastPathReport)
 
     @property
     def extra_bytes(self) -> int:
-        """What the lanes hold beyond the model's own weights (charged to the memory guard)."""
-        return sum(lane.resident_bytes for lane in self.lanes)
+        """Beyond the model's own weights (charged to the memory guard): lane-resident
+        slices plus the dense path's largest transient weight."""
+        return sum(lane.resident_bytes for lane in self.lanes) + self.fast_paths.extra_bytes
 
     def as_dict(self) -> dict:
         return {"lanes": [lane.as_dict() for lane in self.lanes], "plan": self.plan,
@@ -61,14 +65,26 @@ class LaneReport:
                 "build_peak_extra_bytes": self.build_peak_extra_bytes,
                 "retained_cache_bytes": self.retained_cache_bytes,
                 "warmup_s": round(self.warmup_s, 3), "extra_bytes": self.extra_bytes,
-                "split_calls": sum(layer.calls for layer in self.split_layers)}
+                "split_calls": sum(layer.calls for layer in self.split_layers),
+                "fast_paths": self.fast_paths.as_dict()}
 
 
 def plan_from_settings(settings) -> SplitPlan:
     return SplitPlan({kind: {"cpu": float(settings[f"prefill.cpu_share.{kind}"])} for kind in TARGET_KINDS})
 
 
-def install_lanes(model, settings, *, fp16_clone: bool, warmup_tokens: int = 0) -> LaneReport:
+def install_prefill(model, settings, *, fp16_clone: bool, warmup_tokens: int = 0) -> LaneReport:
+    """Fast paths and lanes as the settings ask; warm-up when anything was installed."""
+    fast = install_fast_paths(model, settings, _replace)
+    report = install_lanes(model, settings, fp16_clone=fp16_clone)
+    report.fast_paths = fast
+    if warmup_tokens and (report.split_layers or fast.dense_layers or fast.gdn_layers):
+        tokens = max(warmup_tokens, fast.dense_min_tokens or 0, fast.gdn_min_tokens or 0)
+        report.warmup_s = warm_up(model, tokens)
+    return report
+
+
+def install_lanes(model, settings, *, fp16_clone: bool) -> LaneReport:
     """Split `model`'s targets across the lanes the settings enable; returns what happened."""
     statuses = {lane.name: lane for lane in lane_statuses(settings)}
     plan = plan_from_settings(settings)
@@ -95,8 +111,6 @@ def install_lanes(model, settings, *, fp16_clone: bool, warmup_tokens: int = 0) 
     _build(model, targets, plan, min_tokens, report, cpu)
     cpu.reason = (f"host BLAS through numpy, float32; {sum(cpu.procedures[p] for p in ('mlp', 'gdn'))} "
                   f"projections split at >= {min_tokens} tokens")
-    if warmup_tokens:
-        report.warmup_s = warm_up(model, warmup_tokens)
     return report
 
 

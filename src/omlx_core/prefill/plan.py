@@ -25,7 +25,7 @@ ALIGNMENT = {"gpu": 128, "ane": 64, "cpu": 64}
 
 _SUFFIXES = {
     ".mlp.gate_proj": "mlp_gate_up", ".mlp.up_proj": "mlp_gate_up", ".mlp.down_proj": "mlp_down",
-    ".linear_attn.in_proj_qkv": "gdn_qkv", ".linear_attn.in_proj_qkvz": "gdn_qkv",
+    ".in_proj_qkv": "gdn_qkv", ".in_proj_qkvz": "gdn_qkv",  # inside a .linear_attn. layer
 }
 
 
@@ -91,6 +91,9 @@ def aligned(channels: int, alignment: int) -> int:
 
 
 def _linear_shape(module) -> tuple[int, int] | None:
+    from omlx_core.prefill.fast_paths import unwrap
+
+    module = unwrap(module)
     if isinstance(module, nn.QuantizedLinear):
         out_features, packed = module.weight.shape
         return out_features, packed * 32 // module.bits
@@ -120,6 +123,8 @@ def find_targets(model) -> list[Target]:
     targets = []
     for path, module in model.named_modules():
         kind = next((k for suffix, k in _SUFFIXES.items() if path.endswith(suffix)), None)
+        if kind == "gdn_qkv" and ".linear_attn." not in path:
+            kind = None
         shape = _linear_shape(module) if kind else None
         if shape is None:
             continue

@@ -20,6 +20,7 @@ import mlx.nn as nn
 import numpy as np
 
 from omlx_core.errors import OmlxError
+from omlx_core.prefill.fast_paths import DequantizedPrefill, unwrap
 from omlx_core.prefill.plan import Slice
 
 DEFAULT_MIN_TOKENS = 256
@@ -40,6 +41,7 @@ def cpu_lane() -> ThreadPoolExecutor:
 
 def dense_rows(module, start: int, stop: int, dtype=mx.float32) -> mx.array:
     """Rows [start, stop) of a linear's weight as `dtype` (dequantized if need be)."""
+    module = unwrap(module)
     if isinstance(module, nn.QuantizedLinear):
         return mx.dequantize(module.weight[start:stop], module.scales[start:stop],
                              module.biases[start:stop] if module.biases is not None else None,
@@ -50,6 +52,8 @@ def dense_rows(module, start: int, stop: int, dtype=mx.float32) -> mx.array:
 
 def rows_of(module, start: int, stop: int) -> nn.Module:
     """A linear computing rows [start, stop) only; its arrays are slices of the original's."""
+    if isinstance(module, DequantizedPrefill):  # the gpu rows keep the dense prefill path
+        return DequantizedPrefill(rows_of(module.quantized, start, stop), module.min_tokens)
     if isinstance(module, nn.QuantizedLinear):
         part = nn.QuantizedLinear.__new__(nn.QuantizedLinear)
         nn.Module.__init__(part)
@@ -73,6 +77,7 @@ class CpuSlice:
     """The cpu lane's rows of one linear: float32 weight (out, in) and optional bias."""
 
     def __init__(self, module, piece: Slice):
+        module = unwrap(module)
         # Converted in row blocks straight into the lane's array, so the build never holds
         # more than a fraction of one slice in MLX memory on top of the model.
         self.weight = np.empty((piece.size, module.weight.shape[1] * (32 // module.bits)

@@ -116,7 +116,7 @@ class ModelRegistry:
         from omlx_core.memory.kv import kv_profile
         from omlx_core.memory.weights import weights_bytes
         from omlx_core.models.clone_fp16 import is_fp16_clone
-        from omlx_core.prefill.install import install_lanes
+        from omlx_core.prefill.install import install_prefill
 
         ref = resolve(ref.name if ref.embedded else str(ref.path), self.home)
         settings = load_settings(self.home, ref.key, cli=self.cli_settings)
@@ -124,7 +124,7 @@ class ModelRegistry:
         config = _text_config(ref.path)
         size = weights_bytes(model)
         self.guard.register_weights(ref.name, size)
-        lanes = install_lanes(model, settings, fp16_clone=is_fp16_clone(ref.path),
+        lanes = install_prefill(model, settings, fp16_clone=is_fp16_clone(ref.path),
                               warmup_tokens=int(settings["prefill.split_min_tokens"]))
         if lanes.extra_bytes:
             self.guard.register_extra(f"prefill_lanes:{ref.name}", lanes.extra_bytes)

@@ -1,0 +1,132 @@
+"""Fast prefill paths that keep parity with the reference: dequantize-to-dense, chunked GDN.
+
+Both are installed by module replacement, like the lanes, and only change how large
+inputs are computed; decode-sized inputs run mlx-lm's own modules.
+
+- Dequantize-to-dense: for an input of at least `prefill.dense_min_tokens` tokens a
+  quantized linear dequantizes its weight to the activation dtype and runs the dense GEMM
+  (quantized matmul at large token counts is far slower than dense GEMM on some
+  backends). The dense weight is transient: made per layer per call, after the layer's
+  input (so the graph never dequantizes every layer up front), and freed once its product
+  is computed. What one call of the largest layer really allocates beyond the quantized
+  path (the dense weight and whatever copies the backend's GEMM makes of it) is measured at
+  install and is what the memory guard is charged.
+- Chunked gated delta: qwen3_5's linear-attention layers prefill with
+  `gated_delta.chunked_gated_delta` instead of the per-token recurrence.
+"""
+
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from omlx_core.prefill.gdn_layer import ChunkedGatedDeltaNet
+
+
+class DequantizedPrefill(nn.Module):
+    """A quantized linear whose large inputs run as a dense GEMM on a transient weight."""
+
+    def __init__(self, quantized: nn.QuantizedLinear, min_tokens: int):
+        super().__init__()
+        self.quantized = quantized
+        self.min_tokens = min_tokens
+        self.calls = 0
+
+    @property
+    def dense_bytes(self) -> int:
+        """Bytes of the transient dense weight in a 16-bit activation dtype."""
+        out_features, packed = self.quantized.weight.shape
+        return out_features * packed * (32 // self.quantized.bits) * 2
+
+    def __call__(self, x: mx.array) -> mx.array:
+        if x.size // x.shape[-1] < self.min_tokens:
+            return self.quantized(x)
+        self.calls += 1
+        layer = self.quantized
+        # Depending on x makes the dense weight wait for this layer's input, so the graph
+        # never dequantizes every layer up front: one transient weight at a time.
+        packed = mx.depends(layer.weight, x)
+        weight = mx.dequantize(packed, layer.scales, layer.biases, group_size=layer.group_size,
+                               bits=layer.bits, mode=layer.mode, dtype=x.dtype)
+        out = x @ weight.T
+        return out + layer.bias if "bias" in layer else out
+
+
+@dataclass
+class FastPathReport:
+    dense_layers: list = field(default_factory=list, repr=False)
+    gdn_layers: list = field(default_factory=list, repr=False)
+    dense_min_tokens: int | None = None
+    gdn_min_tokens: int | None = None
+    reasons: dict = field(default_factory=dict)
+
+    dense_transient_bytes: int = 0  # measured: one call of the largest dense layer
+
+    @property
+    def extra_bytes(self) -> int:
+        return self.dense_transient_bytes
+
+    def as_dict(self) -> dict:
+        return {"dequantize_to_dense": {"layers": len(self.dense_layers), "min_tokens": self.dense_min_tokens,
+                                        "peak_extra_bytes": self.dense_transient_bytes,
+                                        "calls": sum(layer.calls for layer in self.dense_layers),
+                                        "reason": self.reasons.get("dense", "")},
+                "chunked_gdn": {"layers": len(self.gdn_layers), "min_tokens": self.gdn_min_tokens,
+                                "calls": sum(layer.calls for layer in self.gdn_layers),
+                                "reason": self.reasons.get("gdn", "")}}
+
+
+def install_fast_paths(model, settings, replace) -> FastPathReport:
+    """Install the paths the settings enable; `replace(model, path, module)` swaps a module."""
+    report = FastPathReport()
+    if settings["prefill.dense.enabled"]:
+        report.dense_min_tokens = int(settings["prefill.dense_min_tokens"])
+        for path, module in list(model.named_modules()):
+            if isinstance(module, nn.QuantizedLinear) and module.mode == "affine":
+                layer = DequantizedPrefill(module, report.dense_min_tokens)
+                replace(model, path, layer)
+                report.dense_layers.append(layer)
+        if report.dense_layers:
+            largest = max(report.dense_layers, key=lambda layer: layer.dense_bytes)
+            report.dense_transient_bytes = measure_transient(largest, report.dense_min_tokens)
+        report.reasons["dense"] = (f"quantized linears dequantize for inputs of >= {report.dense_min_tokens} tokens"
+                                   if report.dense_layers else "no affine-quantized linears in this model")
+    else:
+        report.reasons["dense"] = "off: set prefill.dense.enabled"
+    if settings["prefill.chunked_gdn"]:
+        report.gdn_min_tokens = int(settings["prefill.chunked_gdn_min_tokens"])
+        for path, module in list(model.named_modules()):
+            if type(module).__name__ == "GatedDeltaNet" and hasattr(module, "in_proj_qkv"):
+                layer = ChunkedGatedDeltaNet(module, report.gdn_min_tokens)
+                replace(model, path, layer)
+                report.gdn_layers.append(layer)
+        report.reasons["gdn"] = ("gated-delta layers prefill in chunks" if report.gdn_layers else
+                                 "no qwen3_5 gated-delta layers in this model")
+    else:
+        report.reasons["gdn"] = "off: set prefill.chunked_gdn"
+    return report
+
+
+def measure_transient(layer: DequantizedPrefill, tokens: int) -> int:
+    """Peak MLX memory one dense call of `layer` takes beyond its quantized call."""
+    in_features = layer.quantized.weight.shape[1] * (32 // layer.quantized.bits)
+    x = mx.zeros((1, tokens, in_features), dtype=layer.quantized.scales.dtype)
+
+    def peak(run) -> int:
+        mx.eval(x)
+        mx.synchronize()
+        base = mx.get_active_memory()
+        mx.reset_peak_memory()
+        mx.eval(run(x))
+        return mx.get_peak_memory() - base
+
+    calls = layer.calls
+    extra = max(0, peak(layer) - peak(layer.quantized))
+    layer.calls = calls  # the measurement is not a prefill call
+    mx.clear_cache()
+    return extra
+
+
+def unwrap(module):
+    """The plain linear under a fast-path wrapper (the lanes split that)."""
+    return module.quantized if isinstance(module, DequantizedPrefill) else module
