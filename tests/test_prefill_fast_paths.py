@@ -91,7 +91,7 @@ def test_dequantize_to_dense_matches_the_quantized_path_and_composes_with_lanes(
     path = build_tiny_model("llama", tmp_path / "q", quantized=True, dtype="bfloat16")
     reference, _ = load(str(path))
     dense, _ = load(str(path))
-    settings = load_settings(home, cli={"prefill.dense.enabled": True, "prefill.dense_min_tokens": 16})
+    settings = load_settings(home, cli={"prefill.dense": "on", "prefill.dense_min_tokens": 16})
     report = install_prefill(dense, settings, fp16_clone=False)
     layers = report.fast_paths.dense_layers
     assert layers and all(isinstance(layer, DequantizedPrefill) for layer in layers)
@@ -132,10 +132,28 @@ def test_dense_weights_are_transient_one_layer_at_a_time(tmp_path, home):
     path = build_tiny_model("llama", tmp_path / "q", quantized=True, dtype="bfloat16")
     quantized, _ = load(str(path))
     dense, _ = load(str(path))
-    report = install_prefill(dense, load_settings(home, cli={"prefill.dense.enabled": True,
+    report = install_prefill(dense, load_settings(home, cli={"prefill.dense": "on",
                                                              "prefill.dense_min_tokens": 1}),
                              fp16_clone=False)
     tokens = mx.zeros((1, 8), dtype=mx.int32)
     extra = _peak_of_forward(dense, tokens) - _peak_of_forward(quantized, tokens)
     one_layer = report.fast_paths.dense_transient_bytes  # measured on the largest layer alone
     assert 0 < extra <= 1.5 * one_layer
+
+
+def test_load_time_measurement_of_a_whole_chunk_is_what_the_guard_is_charged(tmp_path, home):
+    path = build_tiny_model("llama", tmp_path / "q", quantized=True, dtype="bfloat16")
+    model, _ = load(str(path))
+    settings = load_settings(home, cli={"prefill.dense": "on", "prefill.dense_min_tokens": 8,
+                                        "prefill.chunk_size": 64})
+    single = install_prefill(load(str(path))[0], settings, fp16_clone=False).fast_paths.dense_transient_bytes
+    report = install_prefill(model, settings, fp16_clone=False, warmup_tokens=8)
+    assert report.warmup_s > 0
+    assert report.extra_bytes == report.fast_paths.dense_transient_bytes >= single > 0
+
+
+def test_dense_auto_is_off_on_this_cpu_backend(tmp_path, home):
+    path = build_tiny_model("llama", tmp_path / "q", quantized=True)
+    report = install_prefill(load(str(path))[0], load_settings(home), fp16_clone=False)
+    assert not report.fast_paths.dense_layers
+    assert "auto" in report.as_dict()["fast_paths"]["dequantize_to_dense"]["reason"]

@@ -7,7 +7,7 @@ checkpoints of real shapes. It is `omlx bench --baseline mlx-lm` (the same workl
 timing loop and statistics: interleaved runs after a shared warm-up, medians) with the
 fast paths set for omlx's variant:
 
-  dense   Qwen3-8B shape, 4-bit g64: prefill.dense.enabled (dequantize-to-dense)
+  dense   Qwen3-8B shape, 4-bit g64: prefill.dense=on (dequantize-to-dense)
   hybrid  Qwen3.5-27B shape with 16 layers, 4-bit g64: chunked gated delta (on by default)
 
     python scripts/bench/prefill_paths.py [--models dense,hybrid] [--ctx 4k,16k] [--gen 32]
@@ -33,13 +33,13 @@ SHAPES = {
     "dense": ("llama", {"hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 36,
                         "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
                         "max_position_embeddings": 32768},
-              {"prefill.dense.enabled": True}),
+              {"prefill.dense": "on"}),
     "hybrid": ("qwen3_5", {"hidden_size": 5120, "intermediate_size": 17408, "num_hidden_layers": 16,
                            "num_attention_heads": 24, "num_key_value_heads": 4, "head_dim": 256,
                            "linear_num_key_heads": 16, "linear_num_value_heads": 48,
                            "linear_key_head_dim": 128, "linear_value_head_dim": 128,
                            "max_position_embeddings": 32768},
-               {"prefill.chunked_gdn": True, "prefill.dense.enabled": True}),
+               {"prefill.chunked_gdn": True, "prefill.dense": "on"}),
 }
 
 

@@ -11,6 +11,7 @@ from omlx_core.hardware import hardware_fingerprint, hardware_info
 from omlx_core.home import model_settings_dir, models_dir, settings_path
 from omlx_core.models.resolve import list_model_names
 from omlx_core.models.embedded import EMBEDDED_NAME, embedded_checkpoint
+from omlx_core.prefill.fast_paths import dense_enabled
 from omlx_core.prefill.lanes import lane_statuses
 from omlx_core.settings import load_settings
 from omlx_core.settings.files import global_store, model_store
@@ -74,7 +75,7 @@ def offline_status(home: Path) -> dict:
         "models_dir": str(models_dir(home)),
         "lanes": [lane.as_dict() for lane in lanes],
         "fast_paths": {
-            "dequantize_to_dense": {"enabled": settings["prefill.dense.enabled"],
+            "dequantize_to_dense": {"enabled": dense_enabled(settings), "setting": settings["prefill.dense"],
                                     "min_tokens": settings["prefill.dense_min_tokens"]},
             "chunked_gdn": {"enabled": settings["prefill.chunked_gdn"],
                             "min_tokens": settings["prefill.chunked_gdn_min_tokens"]},

@@ -8,9 +8,11 @@ inputs are computed; decode-sized inputs run mlx-lm's own modules.
   (quantized matmul at large token counts is far slower than dense GEMM on some
   backends). The dense weight is transient: made per layer per call, after the layer's
   input (so the graph never dequantizes every layer up front), and freed once its product
-  is computed. What one call of the largest layer really allocates beyond the quantized
-  path (the dense weight and whatever copies the backend's GEMM makes of it) is measured at
-  install and is what the memory guard is charged.
+  is computed. What that costs is measured, not assumed: one call of the largest layer at
+  install, and, at load, a whole prefill chunk with the path on against off (an
+  asynchronous GPU keeps several layers' transients alive at once); the larger figure is
+  what the memory guard is charged. `prefill.dense` is `auto` by default: on where it was
+  measured to win (CUDA), off elsewhere until measured there.
 - Chunked gated delta: qwen3_5's linear-attention layers prefill with
   `gated_delta.chunked_gated_delta` instead of the per-token recurrence.
 """
@@ -79,7 +81,7 @@ class FastPathReport:
 def install_fast_paths(model, settings, replace) -> FastPathReport:
     """Install the paths the settings enable; `replace(model, path, module)` swaps a module."""
     report = FastPathReport()
-    if settings["prefill.dense.enabled"]:
+    if dense_enabled(settings):
         report.dense_min_tokens = int(settings["prefill.dense_min_tokens"])
         for path, module in list(model.named_modules()):
             if isinstance(module, nn.QuantizedLinear) and module.mode == "affine":
@@ -92,7 +94,8 @@ def install_fast_paths(model, settings, replace) -> FastPathReport:
         report.reasons["dense"] = (f"quantized linears dequantize for inputs of >= {report.dense_min_tokens} tokens"
                                    if report.dense_layers else "no affine-quantized linears in this model")
     else:
-        report.reasons["dense"] = "off: set prefill.dense.enabled"
+        report.reasons["dense"] = ("off: prefill.dense is auto and not measured to win on this backend"
+                                   if settings["prefill.dense"] == "auto" else "off: prefill.dense is off")
     if settings["prefill.chunked_gdn"]:
         report.gdn_min_tokens = int(settings["prefill.chunked_gdn_min_tokens"])
         for path, module in list(model.named_modules()):
@@ -105,6 +108,40 @@ def install_fast_paths(model, settings, replace) -> FastPathReport:
     else:
         report.reasons["gdn"] = "off: set prefill.chunked_gdn"
     return report
+
+
+def dense_enabled(settings) -> bool:
+    from omlx_core.hardware import mlx_backend
+
+    choice = settings["prefill.dense"]
+    return choice == "on" or (choice == "auto" and mlx_backend() == "cuda")
+
+
+def measure_forward_extra(model, layers: list[DequantizedPrefill], tokens: int) -> int:
+    """Peak MLX memory a `tokens`-token prefill takes with the dense path beyond without it."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    def peak() -> int:
+        mx.synchronize()
+        mx.clear_cache()
+        base = mx.get_active_memory()
+        mx.reset_peak_memory()
+        mx.eval(model(mx.zeros((1, tokens), dtype=mx.int32), cache=make_prompt_cache(model)))
+        mx.synchronize()
+        return mx.get_peak_memory() - base
+
+    thresholds = [layer.min_tokens for layer in layers]
+    calls = [layer.calls for layer in layers]
+    for layer in layers:
+        layer.min_tokens = tokens + 1  # off for this one forward
+    without = peak()
+    for layer, threshold in zip(layers, thresholds):
+        layer.min_tokens = threshold
+    with_dense = peak()
+    for layer, count in zip(layers, calls):
+        layer.calls = count
+    mx.clear_cache()
+    return max(0, with_dense - without)
 
 
 def measure_transient(layer: DequantizedPrefill, tokens: int) -> int:

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
-from omlx_core.prefill.fast_paths import FastPathReport, install_fast_paths
+from omlx_core.prefill.fast_paths import FastPathReport, install_fast_paths, measure_forward_extra
 from omlx_core.prefill.lanes import lane_statuses
 from omlx_core.prefill.plan import TARGET_KINDS, SplitPlan, find_targets
 from omlx_core.prefill.split import SplitLinear
@@ -81,6 +81,10 @@ def install_prefill(model, settings, *, fp16_clone: bool, warmup_tokens: int = 0
     if warmup_tokens and (report.split_layers or fast.dense_layers or fast.gdn_layers):
         tokens = max(warmup_tokens, fast.dense_min_tokens or 0, fast.gdn_min_tokens or 0)
         report.warmup_s = warm_up(model, tokens)
+        if fast.dense_layers:  # the charge covers a whole chunk, as the backend runs it
+            chunk = max(tokens, int(settings["prefill.chunk_size"]))
+            fast.dense_transient_bytes = max(fast.dense_transient_bytes,
+                                             measure_forward_extra(model, fast.dense_layers, chunk))
     return report
 
 

@@ -169,8 +169,9 @@ SETTINGS: tuple[Setting, ...] = (
             nullable=True),
     Setting("chat.reasoning_effort_force", "bool", False,
             "Use chat.reasoning_effort even when a request asks for another effort."),
-    Setting("prefill.dense.enabled", "bool", False,
-            "Dequantize quantized linears to dense for large prefill inputs (parity-keeping)."),
+    Setting("prefill.dense", "choice", "auto",
+            "Dequantize quantized linears to dense for large prefill inputs (parity-keeping); "
+            "auto = on where measured to win (CUDA).", choices=("auto", "on", "off")),
     Setting("prefill.dense_min_tokens", "count", 512,
             "Inputs of at least this many tokens take the dequantize-to-dense path.", minimum=1),
     Setting("prefill.chunked_gdn", "bool", True,
