@@ -137,8 +137,10 @@ def test_dense_weights_are_transient_one_layer_at_a_time(tmp_path, home):
                              fp16_clone=False)
     tokens = mx.zeros((1, 8), dtype=mx.int32)
     extra = _peak_of_forward(dense, tokens) - _peak_of_forward(quantized, tokens)
-    one_layer = report.fast_paths.dense_transient_bytes  # measured on the largest layer alone
-    assert 0 < extra <= 1.5 * one_layer
+    # measured on the largest layer alone; MLX's CPU stream may overlap a layer or two,
+    # every layer dense at once would be about 29 (layers) times this
+    one_layer = report.fast_paths.dense_transient_bytes
+    assert 0 < extra <= 3 * one_layer
 
 
 def test_load_time_measurement_of_a_whole_chunk_is_what_the_guard_is_charged(tmp_path, home):
