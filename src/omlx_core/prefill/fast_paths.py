@@ -62,7 +62,12 @@ class FastPathReport:
     gdn_min_tokens: int | None = None
     reasons: dict = field(default_factory=dict)
 
-    dense_transient_bytes: int = 0  # measured: one call of the largest dense layer
+    dense_layer_bytes: int = 0  # measured at install: one call of the largest dense layer
+    dense_chunk_bytes: int = 0  # measured at load: a whole prefill chunk, on against off
+
+    @property
+    def dense_transient_bytes(self) -> int:
+        return max(self.dense_layer_bytes, self.dense_chunk_bytes)
 
     @property
     def extra_bytes(self) -> int:
@@ -71,6 +76,8 @@ class FastPathReport:
     def as_dict(self) -> dict:
         return {"dequantize_to_dense": {"layers": len(self.dense_layers), "min_tokens": self.dense_min_tokens,
                                         "peak_extra_bytes": self.dense_transient_bytes,
+                                        "layer_extra_bytes": self.dense_layer_bytes,
+                                        "chunk_extra_bytes": self.dense_chunk_bytes,
                                         "calls": sum(layer.calls for layer in self.dense_layers),
                                         "reason": self.reasons.get("dense", "")},
                 "chunked_gdn": {"layers": len(self.gdn_layers), "min_tokens": self.gdn_min_tokens,
@@ -90,7 +97,7 @@ def install_fast_paths(model, settings, replace) -> FastPathReport:
                 report.dense_layers.append(layer)
         if report.dense_layers:
             largest = max(report.dense_layers, key=lambda layer: layer.dense_bytes)
-            report.dense_transient_bytes = measure_transient(largest, report.dense_min_tokens)
+            report.dense_layer_bytes = measure_transient(largest, report.dense_min_tokens)
         report.reasons["dense"] = (f"quantized linears dequantize for inputs of >= {report.dense_min_tokens} tokens"
                                    if report.dense_layers else "no affine-quantized linears in this model")
     else:

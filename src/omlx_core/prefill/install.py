@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
+from omlx_core.hardware import mlx_backend
 from omlx_core.prefill.fast_paths import FastPathReport, install_fast_paths, measure_forward_extra
 from omlx_core.prefill.lanes import lane_statuses
 from omlx_core.prefill.plan import TARGET_KINDS, SplitPlan, find_targets
@@ -74,17 +75,19 @@ def plan_from_settings(settings) -> SplitPlan:
 
 
 def install_prefill(model, settings, *, fp16_clone: bool, warmup_tokens: int = 0) -> LaneReport:
-    """Fast paths and lanes as the settings ask; warm-up when anything was installed."""
+    """Fast paths and lanes as the settings ask, then a warm-up prefill of `warmup_tokens`
+    (on GPU backends always; on the CPU device only when something was installed)."""
     fast = install_fast_paths(model, settings, _replace)
     report = install_lanes(model, settings, fp16_clone=fp16_clone)
     report.fast_paths = fast
-    if warmup_tokens and (report.split_layers or fast.dense_layers or fast.gdn_layers):
+    installed = report.split_layers or fast.dense_layers or fast.gdn_layers
+    # GPU backends compile kernels on first use: warm up even with nothing installed there.
+    if warmup_tokens and (installed or mlx_backend() != "cpu"):
         tokens = max(warmup_tokens, fast.dense_min_tokens or 0, fast.gdn_min_tokens or 0)
         report.warmup_s = warm_up(model, tokens)
         if fast.dense_layers:  # the charge covers a whole chunk, as the backend runs it
             chunk = max(tokens, int(settings["prefill.chunk_size"]))
-            fast.dense_transient_bytes = max(fast.dense_transient_bytes,
-                                             measure_forward_extra(model, fast.dense_layers, chunk))
+            fast.dense_chunk_bytes = measure_forward_extra(model, fast.dense_layers, chunk)
     return report
 
 
