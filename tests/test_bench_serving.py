@@ -1,6 +1,5 @@
 """`omlx bench --url` against a real mlx_lm.server on a free local port."""
 
-import socket
 import subprocess
 import sys
 import time
@@ -8,23 +7,17 @@ import time
 import httpx
 import pytest
 
-from conftest import run_omlx
+from conftest import free_port, run_omlx
 from omlx_core.bench import schema
 from omlx_core.models.testing import build_tiny_model
 
 READY_TIMEOUT_S = 90
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server_url(tmp_path_factory):
     model = build_tiny_model("llama", tmp_path_factory.mktemp("serve") / "llama")
-    port = _free_port()
+    port = free_port()
     log = open(tmp_path_factory.mktemp("serve-log") / "server.log", "w+")
     process = subprocess.Popen(
         [sys.executable, "-m", "mlx_lm.server", "--model", str(model), "--host", "127.0.0.1",
@@ -80,7 +73,7 @@ def test_serving_bench_against_mlx_lm_server(home, server_url, tmp_path):
 
 
 def test_serving_bench_counts_errors_and_fails_when_nothing_succeeds(home):
-    url = f"http://127.0.0.1:{_free_port()}"  # nothing listens there
+    url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     result = run_omlx(home, "bench", "--url", url, "--requests", "2", "--ctx", "8", "--gen", "2",
                       "--warmup", "0", "--json")
     assert result.returncode == 1

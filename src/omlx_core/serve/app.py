@@ -8,6 +8,7 @@ a client that goes away cancels its request, which frees its slot on the next st
 
 import asyncio
 import hmac
+import json
 import time
 import uuid
 
@@ -137,7 +138,7 @@ def create_app(server) -> FastAPI:
                     raise _finished_error(event)
                 return "".join(parts), event
 
-    def stream(http: HTTPRequest, request: Request, chunk, include_usage: bool):
+    def stream(request: Request, chunk, include_usage: bool):
         async def events():
             try:
                 opening = chunk(None, None, first=True)
@@ -181,7 +182,7 @@ def create_app(server) -> FastAPI:
                     document["choices"] = [{"index": 0, "delta": delta, "logprobs": None,
                                             "finish_reason": finish}]
                 return _json(document)
-            return stream(http, request, chunk, body.include_usage)
+            return stream(request, chunk, body.include_usage)
         text, finished = await collect(http, request)
         return {"id": rid, "object": "chat.completion", "created": created, "model": model.id,
                 "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
@@ -207,7 +208,7 @@ def create_app(server) -> FastAPI:
                     document["choices"] = [{"index": 0, "text": text or "", "logprobs": None,
                                             "finish_reason": finish}]
                 return _json(document)
-            return stream(http, request, chunk, body.include_usage)
+            return stream(request, chunk, body.include_usage)
         text, finished = await collect(http, request)
         return {"id": rid, "object": "text_completion", "created": created, "model": model.id,
                 "choices": [{"index": 0, "text": text, "logprobs": None,
@@ -272,6 +273,4 @@ def _usage(event: Finished) -> dict:
 
 
 def _json(document) -> str:
-    import json
-
     return json.dumps(document, separators=(",", ":"))
