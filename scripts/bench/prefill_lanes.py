@@ -70,7 +70,7 @@ def measure(path: Path, home: Path, args) -> dict:
         load_s = time.perf_counter() - started
         vocabulary = ordinary_token_ids(tokenizer, len(tokenizer))
         first_prompt = synthetic_prompts(vocabulary, lengths[0], 1, 99)
-        first = prefill_tps(model, first_prompt, args.chunk)  # no warm-up: the first request
+        first = prefill_tps(model, first_prompt, args.chunk) if args.first else None  # the first request
         for ctx in lengths:
             prompts = synthetic_prompts(vocabulary, ctx, 1, 0)
             for _ in range(args.warmup):
@@ -80,10 +80,12 @@ def measure(path: Path, home: Path, args) -> dict:
             if share is None:
                 stock = [run_mlx_lm(model, tokenizer, prompts, 1) for _ in range(args.warmup + args.repeats)]
                 rows["stock mlx-lm"][ctx] = statistics.median(m.prefill_tps for m in stock[args.warmup:])
+        print(f"{path.name}: {name}: " + ", ".join(f"{ctx} tokens {rows[name][ctx]:.1f} tok/s"
+                                                  for ctx in lengths), file=sys.stderr, flush=True)
         builds[name] = {"load_s": round(load_s, 3), **{k: v for k, v in report.as_dict().items()
                                                        if k in ("build_s", "build_peak_extra_bytes",
                                                                 "retained_cache_bytes", "extra_bytes")},
-                        "first_prefill_tps": round(first, 1),
+                        "first_prefill_tps": round(first, 1) if first is not None else None,
                         "steady_prefill_tps": round(rows[name][lengths[0]], 1)}
         if share is not None:
             builds[name]["warmup_s"] = round(_warmup_cost(model, args.min_tokens), 3)
@@ -146,6 +148,8 @@ def main() -> None:
     parser.add_argument("--min-tokens", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--no-first", dest="first", action="store_false",
+                        help="skip timing the first (cold) prefill after load")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="omlx-bench-lanes-") as work:
