@@ -21,6 +21,12 @@ def read_config(path: Path) -> dict:
     return config
 
 
+def read_text_config(path: Path) -> dict:
+    """The language model's config: `text_config` where a checkpoint nests it (qwen3_5)."""
+    config = read_config(path)
+    return config.get("text_config", config)
+
+
 def weight_files(path: Path) -> list[Path]:
     return sorted(path.glob("*.safetensors"))
 

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 import mlx.nn as nn
 
+from omlx_core.memory.peak import peak_extra_bytes
 from omlx_core.prefill.gdn_layer import ChunkedGatedDeltaNet
 
 
@@ -85,15 +86,17 @@ class FastPathReport:
                                 "reason": self.reasons.get("gdn", "")}}
 
 
-def install_fast_paths(model, settings, replace) -> FastPathReport:
-    """Install the paths the settings enable; `replace(model, path, module)` swaps a module."""
+def install_fast_paths(model, settings) -> FastPathReport:
+    """Install the paths the settings enable, by module replacement."""
+    from omlx_core.prefill.split import replace_module  # split.py builds on this module
+
     report = FastPathReport()
     if dense_enabled(settings):
         report.dense_min_tokens = int(settings["prefill.dense_min_tokens"])
         for path, module in list(model.named_modules()):
             if isinstance(module, nn.QuantizedLinear) and module.mode == "affine":
                 layer = DequantizedPrefill(module, report.dense_min_tokens)
-                replace(model, path, layer)
+                replace_module(model, path, layer)
                 report.dense_layers.append(layer)
         if report.dense_layers:
             largest = max(report.dense_layers, key=lambda layer: layer.dense_bytes)
@@ -108,7 +111,7 @@ def install_fast_paths(model, settings, replace) -> FastPathReport:
         for path, module in list(model.named_modules()):
             if type(module).__name__ == "GatedDeltaNet" and hasattr(module, "in_proj_qkv"):
                 layer = ChunkedGatedDeltaNet(module, report.gdn_min_tokens)
-                replace(model, path, layer)
+                replace_module(model, path, layer)
                 report.gdn_layers.append(layer)
         report.reasons["gdn"] = ("gated-delta layers prefill in chunks" if report.gdn_layers else
                                  "no qwen3_5 gated-delta layers in this model")
@@ -128,23 +131,18 @@ def measure_forward_extra(model, layers: list[DequantizedPrefill], tokens: int) 
     """Peak MLX memory a `tokens`-token prefill takes with the dense path beyond without it."""
     from mlx_lm.models.cache import make_prompt_cache
 
-    def peak() -> int:
-        mx.synchronize()
+    def prefill():
         mx.clear_cache()
-        base = mx.get_active_memory()
-        mx.reset_peak_memory()
-        mx.eval(model(mx.zeros((1, tokens), dtype=mx.int32), cache=make_prompt_cache(model)))
-        mx.synchronize()
-        return mx.get_peak_memory() - base
+        return model(mx.zeros((1, tokens), dtype=mx.int32), cache=make_prompt_cache(model))
 
     thresholds = [layer.min_tokens for layer in layers]
     calls = [layer.calls for layer in layers]
     for layer in layers:
         layer.min_tokens = tokens + 1  # off for this one forward
-    without = peak()
+    without = peak_extra_bytes(prefill)
     for layer, threshold in zip(layers, thresholds):
         layer.min_tokens = threshold
-    with_dense = peak()
+    with_dense = peak_extra_bytes(prefill)
     for layer, count in zip(layers, calls):
         layer.calls = count
     mx.clear_cache()
@@ -155,17 +153,9 @@ def measure_transient(layer: DequantizedPrefill, tokens: int) -> int:
     """Peak MLX memory one dense call of `layer` takes beyond its quantized call."""
     in_features = layer.quantized.weight.shape[1] * (32 // layer.quantized.bits)
     x = mx.zeros((1, tokens, in_features), dtype=layer.quantized.scales.dtype)
-
-    def peak(run) -> int:
-        mx.eval(x)
-        mx.synchronize()
-        base = mx.get_active_memory()
-        mx.reset_peak_memory()
-        mx.eval(run(x))
-        return mx.get_peak_memory() - base
-
+    mx.eval(x)
     calls = layer.calls
-    extra = max(0, peak(layer) - peak(layer.quantized))
+    extra = max(0, peak_extra_bytes(lambda: layer(x)) - peak_extra_bytes(lambda: layer.quantized(x)))
     layer.calls = calls  # the measurement is not a prefill call
     mx.clear_cache()
     return extra

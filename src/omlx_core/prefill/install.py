@@ -16,10 +16,11 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 
 from omlx_core.hardware import mlx_backend
+from omlx_core.memory.peak import peak_extra_bytes
 from omlx_core.prefill.fast_paths import FastPathReport, install_fast_paths, measure_forward_extra
 from omlx_core.prefill.lanes import lane_statuses
 from omlx_core.prefill.plan import TARGET_KINDS, SplitPlan, find_targets
-from omlx_core.prefill.split import SplitLinear
+from omlx_core.prefill.split import SplitLinear, replace_module
 
 log = logging.getLogger("omlx.prefill")
 
@@ -77,7 +78,7 @@ def plan_from_settings(settings) -> SplitPlan:
 def install_prefill(model, settings, *, fp16_clone: bool, warmup_tokens: int = 0) -> LaneReport:
     """Fast paths and lanes as the settings ask, then a warm-up prefill of `warmup_tokens`
     (on GPU backends always; on the CPU device only when something was installed)."""
-    fast = install_fast_paths(model, settings, _replace)
+    fast = install_fast_paths(model, settings)
     report = install_lanes(model, settings, fp16_clone=fp16_clone)
     report.fast_paths = fast
     installed = report.split_layers or fast.dense_layers or fast.gdn_layers
@@ -124,37 +125,25 @@ def install_lanes(model, settings, *, fp16_clone: bool) -> LaneReport:
 def _build(model, targets, plan, min_tokens, report: LaneReport, cpu: LaneState) -> None:
     """Replace targets layer by layer, measuring the build's transient MLX memory."""
     start = time.perf_counter()
-    mx.synchronize()
-    base = mx.get_active_memory()
-    mx.reset_peak_memory()
     modules = dict(model.named_modules())
-    for target in targets:
-        slices = plan.slices(target)
-        if not any(s.lane == "cpu" for s in slices):
-            continue
-        split = SplitLinear(target.path, modules[target.path], slices, min_tokens)
-        _replace(model, target.path, split)
-        report.split_layers.append(split)
-        cpu.procedures["gdn" if target.kind == "gdn_qkv" else "mlp"] += 1
-        cpu.procedures["resident"] += 1
-        cpu.resident_bytes += split.lane_bytes
-        mx.synchronize()
-    report.build_peak_extra_bytes = max(0, mx.get_peak_memory() - base)
+
+    def build() -> None:
+        for target in targets:
+            slices = plan.slices(target)
+            if not any(s.lane == "cpu" for s in slices):
+                continue
+            split = SplitLinear(target.path, modules[target.path], slices, min_tokens)
+            replace_module(model, target.path, split)
+            report.split_layers.append(split)
+            cpu.procedures["gdn" if target.kind == "gdn_qkv" else "mlp"] += 1
+            cpu.procedures["resident"] += 1
+            cpu.resident_bytes += split.lane_bytes
+            mx.synchronize()
+
+    report.build_peak_extra_bytes = peak_extra_bytes(build)
     mx.clear_cache()
     report.retained_cache_bytes = mx.get_cache_memory()
     report.build_s = time.perf_counter() - start
-
-
-def _replace(model, path: str, module) -> None:
-    """Set the submodule at dotted `path` (list indices included) to `module`."""
-    *parents, last = path.split(".")
-    owner = model
-    for part in parents:
-        owner = owner[int(part)] if isinstance(owner, list) else getattr(owner, part)
-    if isinstance(owner, list):
-        owner[int(last)] = module
-    else:
-        setattr(owner, last, module)
 
 
 def warm_up(model, tokens: int) -> float:

@@ -73,6 +73,19 @@ def rows_of(module, start: int, stop: int) -> nn.Module:
     return part
 
 
+def replace_module(model, path: str, module) -> None:
+    """Set the submodule at dotted `path` (list indices included) to `module`: the one way
+    omlx changes a model (lanes and fast paths both go through it)."""
+    *parents, last = path.split(".")
+    owner = model
+    for part in parents:
+        owner = owner[int(part)] if isinstance(owner, list) else getattr(owner, part)
+    if isinstance(owner, list):
+        owner[int(last)] = module
+    else:
+        setattr(owner, last, module)
+
+
 class CpuSlice:
     """The cpu lane's rows of one linear: float32 weight (out, in) and optional bias."""
 

@@ -10,6 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from omlx_core.models.checkpoint import read_text_config
 from omlx_core.models.fingerprint import model_fingerprint
 from omlx_core.models.load import load_model
 from omlx_core.models.resolve import DEFAULT, ModelRef, list_model_names, locate, resolve
@@ -31,7 +32,6 @@ class LoadedModel:
     context_length: int
     vocab_size: int
     pinned: bool
-    loaded_at: float = field(default_factory=time.time)
     last_used: float = field(default_factory=time.monotonic)
     prompt_cache: object = None  # mlx-lm LRUPromptCache of finished requests' KV
     prompt_cache_budget: int = 0  # bytes it may keep (server.prompt_cache_bytes)
@@ -42,13 +42,6 @@ class LoadedModel:
     @property
     def id(self) -> str:
         return self.ref.name
-
-
-def _text_config(model_dir: Path) -> dict:
-    from omlx_core.models.checkpoint import read_config
-
-    config = read_config(model_dir)
-    return config.get("text_config", config)
 
 
 def _context_length(config: dict, tokenizer) -> int:
@@ -121,7 +114,7 @@ class ModelRegistry:
         ref = resolve(ref.name if ref.embedded else str(ref.path), self.home)
         settings = load_settings(self.home, ref.key, cli=self.cli_settings)
         model, tokenizer = load_model(ref)
-        config = _text_config(ref.path)
+        config = read_text_config(ref.path)
         size = weights_bytes(model)
         self.guard.register_weights(ref.name, size)
         lanes = install_prefill(model, settings, fp16_clone=is_fp16_clone(ref.path),

@@ -7,12 +7,6 @@ import urllib.request
 from omlx_core.errors import OmlxError
 
 
-def default_url(settings) -> str:
-    host = settings["server.host"]
-    host = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
-    return f"http://{host}:{settings['server.port']}"
-
-
 def fetch_status(url: str, api_key: str | None = None, timeout: float = 5.0) -> dict:
     """The server's /api/status document; OmlxError naming the URL and the fix otherwise."""
     endpoint = url.rstrip("/") + "/api/status"

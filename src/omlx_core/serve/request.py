@@ -77,6 +77,3 @@ class Request:
             self.events.put_nowait(event)
         else:
             self.loop.call_soon_threadsafe(self.events.put_nowait, event)
-
-    def worst_case_tokens(self) -> int:
-        return len(self.prompt) + self.max_tokens

@@ -1,0 +1,18 @@
+"""How much MLX memory a piece of work takes above what was already allocated."""
+
+from collections.abc import Callable
+
+import mlx.core as mx
+
+
+def peak_extra_bytes(work: Callable[[], object]) -> int:
+    """Run `work()` (evaluating what it returns) and return MLX's peak active memory
+    during it above the active memory before it; 0 if it never rose."""
+    mx.synchronize()
+    base = mx.get_active_memory()
+    mx.reset_peak_memory()
+    result = work()
+    if result is not None:
+        mx.eval(result)
+    mx.synchronize()
+    return max(0, mx.get_peak_memory() - base)
