@@ -13,15 +13,18 @@ import pytest
 
 from omlx_core.models.embedded import EMBEDDED_NAME
 from omlx_core.models.testing import build_tiny_model
+from conftest import omlx_env
 
 TINY = "tiny-llama"
+BLOCK = 16  # prompt-cache block, small so short prompts are cached
 
 
 @pytest.fixture(scope="module")
 def server(start_server, tmp_path_factory):
     home = tmp_path_factory.mktemp("serve-home")
     build_tiny_model("llama", home / "models" / TINY)
-    return start_server(home, "--model", "default", "--model", TINY)
+    return start_server(home, "--model", "default", "--model", TINY,
+                        env=omlx_env(home, OMLX_PROMPT_CACHE_BLOCK_TOKENS=str(BLOCK)))
 
 
 @pytest.fixture(scope="module")
@@ -99,7 +102,8 @@ def test_a_repeated_conversation_reuses_its_prefix(server):
     first = post(server, "/v1/chat/completions", body).json()
     second = post(server, "/v1/chat/completions", body).json()
     assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
-    assert second["usage"]["prompt_tokens_details"]["cached_tokens"] >= first["usage"]["prompt_tokens"] - 1
+    prompt_tokens = first["usage"]["prompt_tokens"]
+    assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == (prompt_tokens - 1) // BLOCK * BLOCK > 0
     assert second["choices"][0]["message"]["content"] == first["choices"][0]["message"]["content"]
 
 

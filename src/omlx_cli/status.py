@@ -53,17 +53,32 @@ def _render_server(url: str, report: dict) -> None:
     console.print(f"queue     {queue['running']}/{queue['max_running']} running, "
                   f"{queue['waiting']}/{queue['max_waiting']} waiting; refused: "
                   f"{queue['queue_rejections']} queue full, {queue['memory_rejections']} memory")
-    table = Table("model", "weights", "KV live / reserved", "running", "prefix cache", "profile",
+    table = Table("model", "weights", "KV live / reserved", "running", "prompt cache", "profile",
                   "lanes", title="loaded models", title_justify="left")
     for model in report["models"]:
         lanes = ", ".join(f"{lane['name']}{'' if lane['configured'] else ' (off)'}"
                           for lane in model["prefill"]["lanes"])
-        cache = model["prefix_cache"]
         table.add_row(model["id"], format_bytes(model["weights_bytes"]),
                       f"{format_bytes(model['kv_bytes'])} / {format_bytes(model['kv_estimate_bytes'])}",
-                      str(model["running"]), f"{cache['entries']} · {format_bytes(cache['bytes'])}",
+                      str(model["running"]), _prompt_cache(model["prompt_cache"]),
                       model["active_profile"] or "-", lanes)
     console.print(table)
+
+
+def _prompt_cache(cache: dict) -> str:
+    """One cell: hit rates and bytes per tier, or why the cache is off."""
+    from omlx_core.units import format_bytes
+
+    if not cache["enabled"]:
+        return f"off ({cache['unsupported']})"
+    rate = cache["hit_rate"]
+    text = f"hits {rate['memory']:.0%} mem / {rate['disk']:.0%} ssd · {format_bytes(cache['memory']['bytes'])} mem"
+    if cache["disk"]:
+        text += f" / {format_bytes(cache['disk']['bytes'])} ssd"
+    writer = cache["writer"]
+    if writer and (writer["pending_entries"] or writer["dropped"]):
+        text += f" · writing {writer['pending_entries']}, dropped {writer['dropped']}"
+    return text
 
 
 def _render(report: dict) -> None:

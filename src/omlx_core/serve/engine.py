@@ -8,10 +8,12 @@ model's mlx-lm `BatchGenerator` by one step, turns tokens into text per request
 (its own detokenizer, stop strings, EOS), and removes cancelled requests at once, so a
 client that goes away frees its slot and its KV on the next step.
 
-Prefix reuse: a finished request's KV goes into the model's mlx-lm `LRUPromptCache`; a
-new request starts from the nearest cached prefix and prefills only the rest. The cache
-is bounded by `server.prompt_cache_bytes` and charged to the memory guard as an extra,
-and it is the first thing dropped when the guard needs room.
+Prefix reuse: a request starts from the longest prefix its model's tiered prompt cache
+holds (`prompt_cache/`) and prefills only the rest. Its prompt is inserted in two
+segments split at the last whole block, so mlx-lm's generator stops there and the engine
+extracts the cache at that boundary and stores its blocks (with the state snapshot that
+hybrid and sliding-window layers need). The memory tier is charged to the memory guard
+as an extra and is the first thing dropped when the guard needs room; SSD entries stay.
 """
 
 import concurrent.futures
@@ -23,6 +25,7 @@ from dataclasses import dataclass
 
 from omlx_core.memory.guard import MemoryRefused
 from omlx_core.memory.kv import estimate_kv_bytes, worst_case_kv_bytes
+from omlx_core.prompt_cache.chain import cacheable_tokens
 from omlx_core.serve.request import Delta, Finished, Request, Started
 from omlx_core.serve.sampling import StopText, make_sampler
 
@@ -38,10 +41,8 @@ class _Sequence:
     uid: int
     detokenizer: object
     stop_text: StopText
-
-
-def _prefix_key(model) -> str:
-    return model.fingerprint
+    cached: int = 0  # prompt tokens the prompt cache supplied
+    store_at: int = 0  # prompt tokens after which the cache is stored; 0 once done or never
 
 
 class Engine:
@@ -143,10 +144,9 @@ class Engine:
         return self.worst_case_bytes(model, len(request.prompt), request.max_tokens)
 
     def _make_room(self, request: Request) -> bool:
-        """Free memory for a refused request: prefix caches first, then another idle model."""
+        """Free memory for a refused request: prompt caches' memory tiers first, then an idle model."""
         for model in self.registry.loaded.values():
-            if len(model.prompt_cache):
-                model.prompt_cache.trim_to(n_sequences=0)
+            if model.prompt_cache.drop_memory():
                 self._charge_prefix_cache(model)
                 return True
         return self.registry.evict_one(self.busy_models() | {request.model_id})
@@ -176,7 +176,6 @@ class Engine:
 
     def _insert(self, request: Request) -> None:
         from mlx_lm.generate import BatchGenerator, StopSequences
-        from mlx_lm.models.cache import can_trim_prompt_cache, trim_prompt_cache
 
         model = self.registry.get(request.model_id)
         if model.generator is None:
@@ -186,21 +185,21 @@ class Engine:
                 prefill_step_size=int(model.settings["prefill.chunk_size"]))
             model.stop_sequences = StopSequences([[t] for t in model.tokenizer.eos_token_ids])
             model.no_stop = StopSequences(None)
-        cache, rest = model.prompt_cache.fetch_nearest_cache(_prefix_key(model), request.prompt)
-        if cache is not None and not rest:  # an exact hit: feed the last token again
-            if can_trim_prompt_cache(cache):
-                trim_prompt_cache(cache, 1)
-                rest = request.prompt[-1:]
-            else:
-                cache, rest = None, request.prompt
-        cached = len(request.prompt) - len(rest)
+        prompt, prompt_cache = request.prompt, model.prompt_cache
+        hit = prompt_cache.lookup(prompt)
+        cached = hit.tokens
         request.cached_tokens = cached
-        (uid,) = model.generator.insert(
-            [rest], max_tokens=[request.max_tokens], caches=[cache],
-            all_tokens=[request.prompt[:cached]], samplers=[self._sampler(request)],
+        store_at = cacheable_tokens(len(prompt), prompt_cache.block_tokens) if prompt_cache.enabled else 0
+        store_at = store_at if store_at > cached else 0
+        segments = [prompt[cached:store_at], prompt[store_at:]] if store_at else [prompt[cached:]]
+        (uid,) = model.generator.insert_segments(
+            [segments], max_tokens=[request.max_tokens], caches=[hit.cache],
+            all_tokens=[prompt[:cached]], samplers=[self._sampler(request)],
             stop_sequences=[model.no_stop if request.ignore_eos else model.stop_sequences])
         self._active.setdefault(model.id, {})[uid] = _Sequence(
-            request, uid, model.tokenizer.detokenizer, StopText(request.stop))
+            request, uid, model.tokenizer.detokenizer, StopText(request.stop), cached, store_at)
+        if hit.cache is not None:
+            self._charge_prefix_cache(model)
         request.push(Started(cached))
         self.metrics.prompt_tokens.labels(model.id).inc(len(request.prompt))
         self.metrics.cached_tokens.labels(model.id).inc(cached)
@@ -211,13 +210,14 @@ class Engine:
         generator = model.generator
         generator.prefill_step_size = self.guard.prefill_chunk_size(int(model.settings["prefill.chunk_size"]))
         try:
-            _, responses = generator.next()
+            prompt_responses, responses = generator.next()
         except Exception as error:  # noqa: BLE001 - fail this model's requests, keep serving
             log.exception("generation step failed for %s", model_id)
             for sequence in list(self._active.get(model_id, {}).values()):
                 self._remove(model, sequence, "error", error=error)
             return
         sequences = self._active[model_id]
+        self._store_prefixes(model, sequences, prompt_responses)
         stopped = []
         for response in responses:
             sequence = sequences.get(response.uid)
@@ -226,8 +226,25 @@ class Engine:
             if self._advance(model, sequence, response):
                 stopped.append(sequence)
         if stopped:
-            self._keep_prefixes(model, generator.remove([s.uid for s in stopped],
-                                                        return_prompt_caches=True))
+            generator.remove([s.uid for s in stopped])
+
+    def _store_prefixes(self, model, sequences: dict, prompt_responses) -> None:
+        """Store the cache of each prompt that just reached its last whole block."""
+        done = [sequences[r.uid] for r in prompt_responses
+                if r.end_of_segment and r.uid in sequences and sequences[r.uid].store_at
+                and r.progress[0] == sequences[r.uid].store_at - sequences[r.uid].cached]
+        if not done:
+            return
+        extracted = model.generator.extract_cache([s.uid for s in done])
+        for sequence in done:
+            cache, _ = extracted[sequence.uid]
+            try:
+                model.prompt_cache.store(sequence.request.prompt[:sequence.store_at], cache)
+            except Exception:  # noqa: BLE001 - a cache that cannot be stored costs reuse, not the request
+                log.exception("storing the prompt cache of %s failed", sequence.request.id)
+            sequence.store_at = 0
+        del extracted
+        self._charge_prefix_cache(model)
 
     def _advance(self, model, sequence: _Sequence, response) -> bool:
         """Turn one token into text for its request; True if a stop string ended it early."""
@@ -250,24 +267,15 @@ class Engine:
         if text:
             request.push(Delta(text, request.completion_tokens))
         if response.finish_reason is not None:
-            self._keep_prefixes(model, {sequence.uid: (response.prompt_cache, response.all_tokens)})
             self._end(model, sequence, response.finish_reason)
         return False
-
-    def _keep_prefixes(self, model, caches: dict) -> None:
-        """Put finished sequences' KV into the model's prefix cache, within its budget."""
-        for cache, tokens in caches.values():
-            if cache and tokens:
-                model.prompt_cache.insert_cache(_prefix_key(model), list(tokens), cache)
-        self._charge_prefix_cache(model)
 
     def _drop_cancelled(self) -> None:
         for model_id, sequences in self._active.items():
             gone = [s for s in sequences.values() if s.request.cancelled]
             if gone:
                 model = self.registry.loaded[model_id]
-                self._keep_prefixes(model, model.generator.remove(
-                    [s.uid for s in gone], return_prompt_caches=True))
+                model.generator.remove([s.uid for s in gone])
                 for sequence in gone:
                     self._end(model, sequence, "cancelled")
 
@@ -291,10 +299,7 @@ class Engine:
         self._wake.set()
 
     def _charge_prefix_cache(self, model) -> None:
-        if model.prompt_cache.nbytes > model.prompt_cache_budget:
-            model.prompt_cache.trim_to(n_bytes=model.prompt_cache_budget)
-        self.guard.register_extra(f"prefix_cache:{model.id}", model.prompt_cache.nbytes)
-        self.metrics.prefix_cache_bytes.labels(model.id).set(model.prompt_cache.nbytes)
+        self.guard.register_extra(f"prefix_cache:{model.id}", model.prompt_cache.held_bytes())
 
     def _record_kv(self) -> None:
         for model_id, sequences in self._active.items():
@@ -326,3 +331,4 @@ class Engine:
         for model in self.registry.loaded.values():
             if model.generator is not None:
                 model.generator.close()
+            model.prompt_cache.close()  # write what is pending, so a restart finds it

@@ -16,8 +16,6 @@ from omlx_core.models.load import load_model
 from omlx_core.models.resolve import DEFAULT, ModelRef, list_model_names, locate, resolve
 from omlx_core.settings import load_settings
 
-PREFIX_CACHE_ENTRIES = 64  # conversations kept per model, within the byte budget too
-
 
 @dataclass
 class LoadedModel:
@@ -33,8 +31,7 @@ class LoadedModel:
     vocab_size: int
     pinned: bool
     last_used: float = field(default_factory=time.monotonic)
-    prompt_cache: object = None  # mlx-lm LRUPromptCache of finished requests' KV
-    prompt_cache_budget: int = 0  # bytes it may keep (server.prompt_cache_bytes)
+    prompt_cache: object = None  # prompt_cache.tiered.TieredPromptCache of this model
     generator: object = None  # mlx-lm BatchGenerator, made by the engine on first use
     stop_sequences: object = None  # EOS ids as mlx-lm StopSequences, made with it
     no_stop: object = None  # no EOS at all, for requests with ignore_eos
@@ -103,13 +100,11 @@ class ModelRegistry:
                                     self.guard.hard_bytes)
 
     def _load(self, ref: ModelRef, pinned: bool) -> LoadedModel:
-        from mlx_lm.models.cache import LRUPromptCache
-
-        from omlx_core.memory.capacity import watermark_bytes
         from omlx_core.memory.kv import kv_profile
         from omlx_core.memory.weights import weights_bytes
         from omlx_core.models.clone_fp16 import is_fp16_clone
         from omlx_core.prefill.install import install_prefill
+        from omlx_core.prompt_cache.tiered import open_prompt_cache
 
         ref = resolve(ref.name if ref.embedded else str(ref.path), self.home)
         settings = load_settings(self.home, ref.key, cli=self.cli_settings)
@@ -121,14 +116,14 @@ class ModelRegistry:
                               warmup_tokens=int(settings["prefill.split_min_tokens"]))
         if lanes.extra_bytes:
             self.guard.register_extra(f"prefill_lanes:{ref.name}", lanes.extra_bytes)
+        fingerprint = model_fingerprint(ref.path)
         loaded = LoadedModel(
-            ref=ref, model=model, tokenizer=tokenizer, fingerprint=model_fingerprint(ref.path),
+            ref=ref, model=model, tokenizer=tokenizer, fingerprint=fingerprint,
             settings=settings, kv=kv_profile(model), weights_bytes=size, lanes=lanes,
             context_length=_context_length(config, tokenizer),
             vocab_size=int(config.get("vocab_size") or len(tokenizer)), pinned=pinned,
-            prompt_cache=LRUPromptCache(max_size=PREFIX_CACHE_ENTRIES),
-            prompt_cache_budget=watermark_bytes(settings["server.prompt_cache_bytes"],
-                                                self.guard.total_bytes, "server.prompt_cache_bytes"),
+            prompt_cache=open_prompt_cache(model, ref.path, fingerprint, self.home, settings,
+                                           self.guard.total_bytes),
         )
         self.loaded[ref.name] = loaded
         return loaded
@@ -145,6 +140,7 @@ class ModelRegistry:
         self.guard.release_extra(f"prefill_lanes:{victim.id}")
         if victim.generator is not None:
             victim.generator.close()
+        victim.prompt_cache.close(timeout=None)  # pending writes finish in the background
         del victim
         gc.collect()
         import mlx.core as mx

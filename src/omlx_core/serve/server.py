@@ -60,6 +60,7 @@ class Server:
         self.scheduler = Scheduler(self.guard, options.max_concurrency, options.max_queue)
         self.engine = Engine(self.registry, self.scheduler, self.guard, self.metrics)
         self.registry.busy = self.engine.busy_models
+        self.metrics.watch_prompt_caches(lambda: self.registry.loaded)
         self.uvicorn = None
 
     def app(self):
@@ -88,8 +89,7 @@ class Server:
                 "kv_estimate_bytes": sum(r["reserved_bytes"] for r in mine),
                 "kv_profile": model.kv.to_dict(),
                 "running": self.engine.active_count(model.id),
-                "prefix_cache": {"entries": len(model.prompt_cache), "bytes": model.prompt_cache.nbytes,
-                                 "budget_bytes": model.prompt_cache_budget},
+                "prompt_cache": model.prompt_cache.stats(),
                 "active_profile": model.settings.profile,
                 "prefill": _prefill(model),
             })

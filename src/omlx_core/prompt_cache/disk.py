@@ -1,0 +1,171 @@
+"""The SSD tier: one safetensors file per cache entry, verified on read, LRU within a cap.
+
+An entry is a block's KV rows (`<key>.kv.safetensors`) or the snapshot of fixed and
+rotating layers at the block that ends a prefix (`<key>.state.safetensors`). The header
+carries the format, the model identity, the block key, the kind and a CRC-32 of the
+arrays; a read checks all of them, and a file that fails (truncated, flipped bits,
+another model's) is deleted and counted, never handed out. Writes go to a temp file of
+this process and are renamed into place after fsync, so a crash leaves either the old
+state or the new, and temp files of dead processes are swept at start.
+"""
+
+import os
+import threading
+import time
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+from omlx_core.processes import pid_alive
+
+FORMAT = "omlx.prompt_cache/1"
+SUFFIX = ".safetensors"
+_TMP_TAG = ".tmp-"
+
+
+@dataclass
+class _File:
+    nbytes: int
+    used: float  # last write or hit, for LRU (the file's mtime across restarts)
+
+
+def entry_name(key: str, kind: str) -> str:
+    return f"{key}.{kind}"
+
+
+def checksum(arrays: dict[str, mx.array]) -> str:
+    """CRC-32 over the arrays' names and bytes, in name order."""
+    crc = 0
+    for name in sorted(arrays):
+        crc = zlib.crc32(name.encode(), crc)
+        crc = zlib.crc32(np.asarray(arrays[name].reshape(-1).view(mx.uint8)).data, crc)
+    return f"{crc:08x}"
+
+
+class DiskTier:
+    def __init__(self, directory: Path, identity: str, cap_bytes: int):
+        self.directory = directory
+        self.identity = identity
+        self.cap_bytes = cap_bytes
+        self.corrupt_files = 0
+        self.evicted_files = 0
+        self._files: dict[str, _File] = {}
+        self._lock = threading.Lock()
+        self._serial = 0
+        directory.mkdir(parents=True, exist_ok=True)
+        self._scan()
+
+    # The index ------------------------------------------------------------------------
+
+    def _scan(self) -> None:
+        for path in self.directory.iterdir():
+            name = path.name
+            if _TMP_TAG in name:
+                pid = name.split(_TMP_TAG, 1)[1].split("-", 1)[0]
+                if pid.isdigit() and not pid_alive(int(pid)):
+                    path.unlink(missing_ok=True)
+            elif name.endswith(SUFFIX):
+                stat = path.stat()
+                self._files[name[:-len(SUFFIX)]] = _File(stat.st_size, stat.st_mtime)
+
+    def __contains__(self, name: str) -> bool:
+        with self._lock:
+            return name in self._files
+
+    @property
+    def nbytes(self) -> int:
+        with self._lock:
+            return sum(f.nbytes for f in self._files.values())
+
+    @property
+    def files(self) -> int:
+        with self._lock:
+            return len(self._files)
+
+    def _path(self, name: str) -> Path:
+        return self.directory / f"{name}{SUFFIX}"
+
+    # Writes (the writer thread) -----------------------------------------------------
+
+    def write(self, name: str, arrays: dict[str, mx.array], header: dict[str, str]) -> None:
+        """Write one entry atomically, then evict least recently used files over the cap."""
+        key, kind = name.rsplit(".", 1)
+        metadata = {**header, "format": FORMAT, "identity": self.identity, "key": key,
+                    "kind": kind, "checksum": checksum(arrays)}
+        with self._lock:
+            self._serial += 1
+            serial = self._serial
+        tmp = self.directory / f".{name}{_TMP_TAG}{os.getpid()}-{serial}{SUFFIX}"
+        try:
+            mx.save_safetensors(str(tmp), arrays, metadata)
+            fd = os.open(tmp, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, self._path(name))
+        finally:
+            tmp.unlink(missing_ok=True)
+        with self._lock:
+            self._files[name] = _File(self._path(name).stat().st_size, time.time())
+        self._evict()
+
+    def _evict(self) -> None:
+        with self._lock:
+            total = sum(f.nbytes for f in self._files.values())
+            victims = []
+            for name, entry in sorted(self._files.items(), key=lambda item: item[1].used):
+                if total <= self.cap_bytes:
+                    break
+                victims.append(name)
+                total -= entry.nbytes
+            for name in victims:
+                del self._files[name]
+        for name in victims:
+            self._path(name).unlink(missing_ok=True)
+        self.evicted_files += len(victims)
+
+    # Reads (the engine thread) ------------------------------------------------------
+
+    def read(self, name: str) -> tuple[dict[str, mx.array], dict] | None:
+        """An entry's arrays and header, or None when it is gone or fails verification."""
+        path = self._path(name)
+        try:
+            arrays, metadata = mx.load(str(path), return_metadata=True)
+            key, kind = name.rsplit(".", 1)
+            expected = {"format": FORMAT, "identity": self.identity, "key": key, "kind": kind}
+            if any(metadata.get(k) != v for k, v in expected.items()) or \
+                    metadata.get("checksum") != checksum(arrays):
+                raise ValueError("header or checksum mismatch")
+        except FileNotFoundError:
+            self._forget(name)
+            return None
+        except Exception:  # noqa: BLE001 - any unreadable file is corrupt: drop it, recompute
+            self.corrupt_files += 1
+            self._forget(name)
+            path.unlink(missing_ok=True)
+            return None
+        now = time.time()
+        with self._lock:
+            if name in self._files:
+                self._files[name].used = now
+        try:
+            os.utime(path, (now, now))
+        except OSError:
+            pass
+        return arrays, metadata
+
+    def _forget(self, name: str) -> None:
+        with self._lock:
+            self._files.pop(name, None)
+
+    def clear(self) -> int:
+        """Delete every entry; returns the bytes freed."""
+        with self._lock:
+            files, self._files = self._files, {}
+        for name in files:
+            self._path(name).unlink(missing_ok=True)
+        return sum(f.nbytes for f in files.values())
