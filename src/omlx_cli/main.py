@@ -11,7 +11,7 @@ from typing import Optional
 
 import typer
 
-from omlx_cli import bench, clone, models, serve, settings, status
+from omlx_cli import bench, cache, clone, models, serve, settings, status
 from omlx_cli.context import Globals
 
 app = typer.Typer(
@@ -28,6 +28,7 @@ app.command("clone-fp16")(clone.clone_fp16)
 app.command("bench")(bench.bench)
 app.add_typer(settings.app, name="settings")
 app.add_typer(models.app, name="models")
+app.add_typer(cache.app, name="cache")
 
 _debug = False
 

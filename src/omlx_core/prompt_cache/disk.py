@@ -99,6 +99,7 @@ class DiskTier:
             self._serial += 1
             serial = self._serial
         tmp = self.directory / f".{name}{_TMP_TAG}{os.getpid()}-{serial}{SUFFIX}"
+        self.directory.mkdir(parents=True, exist_ok=True)  # `omlx cache clear` may have removed it
         try:
             mx.save_safetensors(str(tmp), arrays, metadata)
             fd = os.open(tmp, os.O_RDONLY)

@@ -35,16 +35,29 @@ def cache_dir(home: Path, identity: str) -> Path:
     return cache_root(home) / identity
 
 
-def directory_bytes(directory: Path) -> tuple[int, int]:
-    """(files, bytes) of the cache entries in a directory."""
-    sizes = [p.stat().st_size for p in directory.glob("*.safetensors") if not p.name.startswith(".")]
-    return len(sizes), sum(sizes)
+def model_cache_identity(ref) -> str:
+    """The cache identity of a resolved model (`models.resolve.resolve`)."""
+    from omlx_core.models.fingerprint import model_fingerprint
+
+    return cache_identity(ref.path, model_fingerprint(ref.path))
 
 
-def remove_dir(directory: Path) -> tuple[int, int]:
-    """Delete one model's cache directory; returns the (files, bytes) it held."""
-    if not directory.is_dir():
-        return 0, 0
-    held = directory_bytes(directory)
-    shutil.rmtree(directory)
-    return held
+def list_caches(home: Path) -> list[dict]:
+    """Every model cache on disk: its identity, directory, files and bytes."""
+    root = cache_root(home)
+    if not root.is_dir():
+        return []
+    caches = []
+    for directory in sorted(p for p in root.iterdir() if p.is_dir()):
+        sizes = [p.stat().st_size for p in directory.glob("*.safetensors") if not p.name.startswith(".")]
+        caches.append({"identity": directory.name, "directory": str(directory),
+                       "files": len(sizes), "bytes": sum(sizes)})
+    return caches
+
+
+def clear_caches(home: Path, identity: str | None = None) -> list[dict]:
+    """Delete one model's cache (or all of them); returns what was deleted."""
+    removed = [c for c in list_caches(home) if identity is None or c["identity"] == identity]
+    for cache in removed:
+        shutil.rmtree(cache["directory"], ignore_errors=True)
+    return removed
