@@ -13,7 +13,7 @@ import pytest
 
 from omlx_core.models.embedded import EMBEDDED_NAME
 from omlx_core.models.testing import build_tiny_model
-from conftest import omlx_env
+from conftest import free_port, omlx_env, run_omlx
 
 TINY = "tiny-llama"
 BLOCK = 16  # prompt-cache block, small so short prompts are cached
@@ -219,3 +219,17 @@ def test_health_says_loading_until_the_model_is_ready(start_server, tmp_path_fac
             break
         time.sleep(0.05)
     assert seen[0] == (503, {"status": "loading"}) and seen[-1] == (200, {"status": "ok"})
+
+
+def test_status_finds_the_server_at_the_settings_address(server, tmp_path):
+    env = omlx_env(tmp_path, OMLX_SERVER_PORT=str(server.port))
+    report = json.loads(run_omlx(tmp_path, "status", "--json", env=env, check=True).stdout)
+    assert report["server"]["running"] and report["server"]["url"] == server.url
+    assert {m["id"] for m in report["server"]["status"]["models"]} >= {TINY}
+    text = run_omlx(tmp_path, "status", env={**env, "COLUMNS": "250"}, check=True).stdout
+    assert "loaded models" in text and TINY in text
+
+    nobody = omlx_env(tmp_path, OMLX_SERVER_PORT=str(free_port()))
+    report = json.loads(run_omlx(tmp_path, "status", "--json", env=nobody, check=True).stdout)
+    assert report["server"] == {"url": report["server"]["url"], "running": False, "error": None,
+                                "status": None}

@@ -10,7 +10,7 @@ from omlx_cli.context import globals_of, print_json
 def status(
     ctx: typer.Context,
     url: Optional[str] = typer.Option(
-        None, "--url", help="Ask the omlx server at URL (e.g. http://127.0.0.1:8000) instead."),
+        None, "--url", help="Ask only the omlx server at URL (default: server.host/port, when one answers)."),
     api_key: Optional[str] = typer.Option(None, "--api-key", help="With --url: bearer key (default: server.api_key)."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON document."),
 ):
@@ -33,6 +33,11 @@ def status(
         print_json(report)
         return
     _render(report)
+    server = report["server"]
+    if server["running"]:
+        _render_server(server["url"], server["status"])
+    else:
+        print(f"server    none at {server['url']}" + (f" ({server['error']})" if server["error"] else ""))
 
 
 def _render_server(url: str, report: dict) -> None:

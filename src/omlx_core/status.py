@@ -47,6 +47,8 @@ def settings_files(home: Path) -> list[dict]:
 
 
 def offline_status(home: Path) -> dict:
+    from omlx_core.serve.remote import probe_server
+
     info = hardware_info()
     memory = psutil.virtual_memory()
     files = settings_files(home)
@@ -80,4 +82,5 @@ def offline_status(home: Path) -> dict:
             "chunked_gdn": {"enabled": settings["prefill.chunked_gdn"],
                             "min_tokens": settings["prefill.chunked_gdn_min_tokens"]},
         },
+        "server": probe_server(settings),
     }

@@ -24,3 +24,21 @@ def fetch_status(url: str, api_key: str | None = None, timeout: float = 5.0) -> 
         raise OmlxError(f"{url}: no omlx server answers ({reason}); start one with `omlx serve`") from error
     except json.JSONDecodeError as error:
         raise OmlxError(f"{endpoint}: the answer is not JSON; is this an omlx server?") from error
+
+
+def default_url(settings) -> str:
+    """Where `omlx serve` listens by these settings (a wildcard host is asked on loopback)."""
+    host = settings["server.host"]
+    host = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(host, host)
+    return f"http://{f'[{host}]' if ':' in host else host}:{settings['server.port']}"
+
+
+def probe_server(settings, timeout: float = 0.5) -> dict:
+    """Whether a server answers at the settings' address, and its status if it does."""
+    url = default_url(settings)
+    try:
+        return {"url": url, "running": True, "error": None,
+                "status": fetch_status(url, settings["server.api_key"], timeout)}
+    except OmlxError as error:
+        refused = "no omlx server answers" in str(error)
+        return {"url": url, "running": False, "error": None if refused else str(error), "status": None}
