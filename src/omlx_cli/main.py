@@ -11,7 +11,7 @@ from typing import Optional
 
 import typer
 
-from omlx_cli import bench, cache, clone, models, serve, settings, status
+from omlx_cli import bench, cache, clone, models, serve, settings, status, tune
 from omlx_cli.context import Globals
 
 app = typer.Typer(
@@ -26,6 +26,7 @@ app.command("serve")(serve.serve)
 app.command("status")(status.status)
 app.command("clone-fp16")(clone.clone_fp16)
 app.command("bench")(bench.bench)
+app.command("tune")(tune.tune)
 app.add_typer(settings.app, name="settings")
 app.add_typer(models.app, name="models")
 app.add_typer(cache.app, name="cache")

@@ -27,7 +27,9 @@ Progress = Callable[[int, int, str], None]  # (runs done, runs in all, what runs
 
 
 @dataclass
-class _Loaded:
+class Prepared:
+    """A model loaded and prepared for timed runs (bench and tune share it)."""
+
     model: object
     tokenizer: object
     vocabulary: object
@@ -42,7 +44,7 @@ def _vocab_size(ref: ModelRef) -> int:
     return int(config.get("vocab_size") or config.get("text_config", {})["vocab_size"])
 
 
-def _load(ref: ModelRef, settings: EffectiveSettings | None) -> _Loaded:
+def prepare_model(ref: ModelRef, settings: EffectiveSettings | None) -> Prepared:
     """The model as `settings` prepare it (prefill lanes installed); None = stock, unsplit."""
     from omlx_core.models.clone_fp16 import is_fp16_clone
     from omlx_core.models.load import load_model
@@ -54,7 +56,7 @@ def _load(ref: ModelRef, settings: EffectiveSettings | None) -> _Loaded:
         lanes = install_prefill(model, settings, fp16_clone=is_fp16_clone(ref.path),
                               warmup_tokens=int(settings["prefill.split_min_tokens"]))
     vocabulary = ordinary_token_ids(tokenizer, _vocab_size(ref))
-    return _Loaded(model, tokenizer, vocabulary, set(tokenizer.eos_token_ids), lanes)
+    return Prepared(model, tokenizer, vocabulary, set(tokenizer.eos_token_ids), lanes)
 
 
 def _lane_key(settings: EffectiveSettings | None) -> tuple:
@@ -65,7 +67,7 @@ def _lane_key(settings: EffectiveSettings | None) -> tuple:
                  if key.startswith("prefill.") and key != "prefill.chunk_size")
 
 
-def _run_once(loaded: _Loaded, variant: Variant, prompts, gen: int, memory: PeakMemory) -> Measurement:
+def _run_once(loaded: Prepared, variant: Variant, prompts, gen: int, memory: PeakMemory) -> Measurement:
     if variant.runner == MLX_LM:
         return run_mlx_lm(loaded.model, loaded.tokenizer, prompts, gen, memory)
     measurement = run_generation(loaded.model, prompts, gen, variant.chunk_size,
@@ -102,11 +104,11 @@ def run_offline(ref: ModelRef, workload: Workload, variants: list[Variant],
     total = len(workload.ctx) * (workload.warmup + workload.repeats) * len(variants)
     done = 0
     on_progress(done, total, "loading model")
-    models: dict[tuple, _Loaded] = {}
+    models: dict[tuple, Prepared] = {}
     for variant in variants:
         key = _lane_key(variant.settings)
         if key not in models:
-            models[key] = _load(ref, variant.settings)
+            models[key] = prepare_model(ref, variant.settings)
     loaded_for = {variant.name: models[_lane_key(variant.settings)] for variant in variants}
     loaded = next(iter(models.values()))
     memory = PeakMemory()

@@ -10,6 +10,7 @@ boundary): new entries go into memory (LRU within its budget) and to the writer 
 """
 
 import json
+import logging
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -22,6 +23,7 @@ from omlx_core.prompt_cache.layout import CacheLayout, block_arrays, rebuild, sn
 from omlx_core.prompt_cache.writer import WriteQueue
 
 KV, STATE = "kv", "state"
+log = logging.getLogger("omlx.prompt_cache")
 
 
 @dataclass
@@ -73,11 +75,14 @@ class TieredPromptCache:
             blocks = self._usable_blocks(keys)
             if not blocks:
                 return Hit(None)
-            loaded = self._load(keys[:blocks])
-            if loaded is None:
-                continue  # a file failed verification and is gone: look again
-            entries, from_disk = loaded
-            hit = self._rebuild(entries, blocks, from_disk)
+            try:
+                loaded = self._load(keys[:blocks])
+                if loaded is None:
+                    continue  # a file failed verification and is gone: look again
+                hit = self._rebuild(*loaded, blocks)
+            except Exception:  # noqa: BLE001 - a cache that cannot be used is a miss, never an error
+                log.exception("prompt cache: reusing %d blocks failed; prefilling instead", blocks)
+                return Hit(None)
             self.hits += 1
             self.memory_tokens += hit.memory_tokens
             self.disk_tokens += hit.disk_tokens
@@ -118,7 +123,7 @@ class TieredPromptCache:
             entries[name] = entry
         return entries, from_disk
 
-    def _rebuild(self, entries: dict[str, _Entry], blocks: int, from_disk: set[str]) -> Hit:
+    def _rebuild(self, entries: dict[str, _Entry], from_disk: set[str], blocks: int) -> Hit:
         kv = [entry for name, entry in entries.items() if name.endswith("." + KV)]
         state = next((entry for name, entry in entries.items() if name.endswith("." + STATE)), None)
         tokens = blocks * self.block_tokens

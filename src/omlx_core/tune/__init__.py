@@ -1,0 +1,1 @@
+"""`omlx tune`: measure prefill setups on this machine and recommend only what was verified."""
