@@ -90,13 +90,13 @@ def search_space(targets, *, cpu_lane: tuple[bool, str], fp16_clone: bool, quant
     cpu_ok, cpu_reason = cpu_lane
     for kind in SHARES:
         name = f"cpu_share.{kind}"
-        if not cpu_ok:
+        if kind not in kinds:
+            what = "gated-delta (GDN) layers" if kind == "gdn_qkv" else f"{kind} projections"
+            space.notes.append(f"{name}: left out, this model has no {what}")
+        elif not cpu_ok:
             space.notes.append(f"{name}: stays 0, the cpu lane is ineligible ({cpu_reason})")
         elif not fp16_clone:
             space.notes.append(f"{name}: stays 0, CPU sharing needs an FP16 clone (omlx clone-fp16)")
-        elif kind not in kinds:
-            what = "gated-delta (GDN) layers" if kind == "gdn_qkv" else f"{kind} projections"
-            space.notes.append(f"{name}: left out, this model has no {what}")
         elif kind == "gdn_qkv":
             floor = max(t.floor / t.out_features for t in targets if t.kind == kind)
             space.gdn_floor_share = floor
