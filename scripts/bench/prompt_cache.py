@@ -12,7 +12,8 @@ a new random prefix P_r of --prefix tokens plus a suffix, first cold (nothing ca
 then P_r plus another suffix (a memory hit: only the suffix and the part of the prefix
 past the last whole block are prefilled). Once the writer queue has put every block on
 SSD, server 1 stops and server 2 starts on the same home (empty memory tier), and asks
-P_r plus a third suffix (an SSD hit). Each request is non-streaming with max_tokens 1,
+P_r plus a third suffix (an SSD hit). After each repeat the writer queue is let drain, as
+when prefixes come back later rather than in one burst (the queue's drops are reported). Each request is non-streaming with max_tokens 1,
 so its latency is the client-side time to first token. One short warm-up request per
 server is not counted. Figures are medians over --repeats; `cached_tokens` from the
 server's usage and its /api/status hit counters confirm which tier served each hit.
@@ -109,6 +110,7 @@ def run(args) -> dict:
                         cached[tier].append(hit)
                         print(f"  repeat {r + 1}/{args.repeats} {tier}: {seconds:.3f} s, "
                               f"{hit} cached tokens", file=sys.stderr)
+                    drain(server.url)  # as when prefixes come back later, not in one burst
                 statuses[phase] = drain(server.url)
             finally:
                 server.stop(30)
@@ -123,6 +125,7 @@ def run(args) -> dict:
         "speedup": {"memory": medians["cold"] / medians["memory"], "ssd": medians["cold"] / medians["ssd"]},
         "hit_tokens": {phase: s["hit_tokens"] for phase, s in statuses.items()},
         "disk": statuses["restart"]["disk"],
+        "writer": {phase: s["writer"] for phase, s in statuses.items()},
         "all_hits_as_expected": all(c == expected for t in ("memory", "ssd") for c in cached[t])
         and all(c == 0 for c in cached["cold"]),
     }

@@ -151,7 +151,7 @@ SETTINGS: tuple[Setting, ...] = (
             "Memory pending SSD writes may hold (a size or a share); past it new spills are dropped."),
     Setting("prompt_cache.writer_min_blocks", "int", 2,
             "Pending SSD writes always accepted, even past prompt_cache.writer_memory.", minimum=1),
-    Setting("prompt_cache.writer_max_blocks", "int", 64,
+    Setting("prompt_cache.writer_max_blocks", "int", 256,
             "Most pending SSD writes, whatever their size.", minimum=1),
     Setting("memory.soft_watermark", "memory", 0.80,
             "Above this share of memory, new requests wait for running ones to finish."),

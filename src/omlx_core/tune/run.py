@@ -61,7 +61,7 @@ def run_tune(ref, home: Path, workload: Workload, budget_s: float,
         ref, lambda sets: variant_settings(home, ref.key, VariantSpec(None, sets)), workload, hard)
     outcome = tune(space, calibrator, max_ctx, budget_s, on_event)
     best = outcome.best
-    verified = outcome.verification.get("recommended")
+    verified = outcome.verification.get("default" if outcome.is_default else "recommended")
     document = header("tune")
     document["schema"] = SCHEMA
     document.update({
