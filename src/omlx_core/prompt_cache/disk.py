@@ -9,10 +9,13 @@ this process and are renamed into place after fsync, so a crash leaves either th
 state or the new, and temp files of dead processes are swept at start.
 """
 
+import json
 import os
+import struct
 import threading
 import time
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,6 +27,7 @@ from omlx_core.processes import pid_alive
 FORMAT = "omlx.prompt_cache/1"
 SUFFIX = ".safetensors"
 _TMP_TAG = ".tmp-"
+_READERS = min(8, os.cpu_count() or 1)
 
 
 @dataclass
@@ -38,11 +42,55 @@ def entry_name(key: str, kind: str) -> str:
 
 def checksum(arrays: dict[str, mx.array]) -> str:
     """CRC-32 over the arrays' names and bytes, in name order."""
+    return _raw_checksum({name: (None, None, np.asarray(a.reshape(-1).view(mx.uint8)).data)
+                          for name, a in arrays.items()})
+
+
+def _raw_checksum(tensors: dict[str, tuple]) -> str:
     crc = 0
-    for name in sorted(arrays):
+    for name in sorted(tensors):
         crc = zlib.crc32(name.encode(), crc)
-        crc = zlib.crc32(np.asarray(arrays[name].reshape(-1).view(mx.uint8)).data, crc)
+        crc = zlib.crc32(tensors[name][2], crc)
     return f"{crc:08x}"
+
+
+# safetensors dtype -> (numpy dtype it is read as, MLX dtype it is viewed as)
+_DTYPES = {"F32": (np.float32, None), "F16": (np.float16, None), "BF16": (np.uint16, mx.bfloat16),
+           "F64": (np.float64, None), "I64": (np.int64, None), "I32": (np.int32, None),
+           "I16": (np.int16, None), "I8": (np.int8, None), "U64": (np.uint64, None),
+           "U32": (np.uint32, None), "U16": (np.uint16, None), "U8": (np.uint8, None),
+           "BOOL": (np.bool_, None)}
+
+
+def _read_safetensors(path: Path) -> tuple[dict[str, tuple], dict]:
+    """name -> (dtype, shape, bytes) and the header metadata, read with plain file I/O.
+
+    mx.save_safetensors writes the format; reading it here (not with mx.load) lets
+    reader threads do the I/O and the checksum without touching MLX.
+    """
+    with open(path, "rb") as handle:
+        data = handle.read()
+    if len(data) < 8:
+        raise ValueError("truncated header")
+    (length,) = struct.unpack("<Q", data[:8])
+    if 8 + length > len(data):
+        raise ValueError("truncated header")
+    header = json.loads(data[8:8 + length])
+    metadata = header.pop("__metadata__", {}) or {}
+    body = memoryview(data)[8 + length:]
+    tensors = {}
+    for name, info in header.items():
+        start, stop = info["data_offsets"]
+        if not 0 <= start <= stop <= len(body):
+            raise ValueError(f"tensor {name} lies outside the file")
+        tensors[name] = (info["dtype"], tuple(info["shape"]), body[start:stop])
+    return tensors, metadata
+
+
+def _to_mlx(dtype: str, shape: tuple, raw) -> mx.array:
+    read_as, view_as = _DTYPES[dtype]
+    array = mx.array(np.frombuffer(raw, dtype=read_as).reshape(shape))
+    return array.view(view_as) if view_as is not None else array
 
 
 class DiskTier:
@@ -55,6 +103,7 @@ class DiskTier:
         self._files: dict[str, _File] = {}
         self._lock = threading.Lock()
         self._serial = 0
+        self._pool: ThreadPoolExecutor | None = None
         directory.mkdir(parents=True, exist_ok=True)
         self._scan()
 
@@ -129,23 +178,45 @@ class DiskTier:
             self._path(name).unlink(missing_ok=True)
         self.evicted_files += len(victims)
 
-    # Reads (the engine thread) ------------------------------------------------------
+    # Reads (the engine thread, files read and checked by a small thread pool) -------
 
     def read(self, name: str) -> tuple[dict[str, mx.array], dict] | None:
         """An entry's arrays and header, or None when it is gone or fails verification."""
+        return self.read_many([name])[name]
+
+    def read_many(self, names: list[str]) -> dict[str, tuple[dict[str, mx.array], dict] | None]:
+        """Several entries at once: the file reads and checksums run in parallel threads
+        (both release the GIL), the MLX arrays are made on the calling thread."""
+        if len(names) > 1:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(max_workers=_READERS, thread_name_prefix="omlx-cache-read")
+            raw = dict(zip(names, self._pool.map(self._read_verified, names)))
+        else:
+            raw = {name: self._read_verified(name) for name in names}
+        found = {}
+        for name, entry in raw.items():
+            if entry is None:
+                found[name] = None
+                continue
+            tensors, metadata = entry
+            found[name] = ({key: _to_mlx(*tensor) for key, tensor in tensors.items()}, metadata)
+        return found
+
+    def _read_verified(self, name: str) -> tuple[dict, dict] | None:
         path = self._path(name)
         try:
-            arrays, metadata = mx.load(str(path), return_metadata=True)
+            tensors, metadata = _read_safetensors(path)
             key, kind = name.rsplit(".", 1)
             expected = {"format": FORMAT, "identity": self.identity, "key": key, "kind": kind}
             if any(metadata.get(k) != v for k, v in expected.items()) or \
-                    metadata.get("checksum") != checksum(arrays):
+                    metadata.get("checksum") != _raw_checksum(tensors):
                 raise ValueError("header or checksum mismatch")
         except FileNotFoundError:
             self._forget(name)
             return None
         except Exception:  # noqa: BLE001 - any unreadable file is corrupt: drop it, recompute
-            self.corrupt_files += 1
+            with self._lock:
+                self.corrupt_files += 1
             self._forget(name)
             path.unlink(missing_ok=True)
             return None
@@ -157,7 +228,7 @@ class DiskTier:
             os.utime(path, (now, now))
         except OSError:
             pass
-        return arrays, metadata
+        return tensors, metadata
 
     def _forget(self, name: str) -> None:
         with self._lock:

@@ -105,23 +105,27 @@ class TieredPromptCache:
         names = [entry_name(key, KV) for key in keys] if self.layout.sliced else []
         if self.layout.snapshotted:
             names.append(entry_name(keys[-1], STATE))
-        entries, from_disk = {}, set()
-        for name in names:
-            with self._lock:
+        entries = {}
+        with self._lock:
+            for name in names:
                 entry = self._memory.get(name)
                 if entry is not None:
                     self._memory.move_to_end(name)
-            if entry is None:
-                read = self.disk.read(name) if self.disk is not None else None
-                if read is None:
-                    return None
-                arrays, metadata = read
-                entry = _Entry(arrays, json.loads(metadata.get("scalars", "{}")),
-                               sum(a.nbytes for a in arrays.values()))
-                from_disk.add(name)
-                self._remember(name, entry)
-            entries[name] = entry
-        return entries, from_disk
+                    entries[name] = entry
+        from_disk = [name for name in names if name not in entries]
+        if from_disk:
+            if self.disk is None:
+                return None
+            read = self.disk.read_many(from_disk)
+            for name, found in read.items():
+                if found is not None:
+                    arrays, metadata = found
+                    entries[name] = _Entry(arrays, json.loads(metadata.get("scalars", "{}")),
+                                           sum(a.nbytes for a in arrays.values()))
+                    self._remember(name, entries[name])
+            if len(entries) < len(names):
+                return None  # a file was gone or corrupt; what was read stays in memory
+        return {name: entries[name] for name in names}, set(from_disk)
 
     def _rebuild(self, entries: dict[str, _Entry], from_disk: set[str], blocks: int) -> Hit:
         kv = [entry for name, entry in entries.items() if name.endswith("." + KV)]
