@@ -7,9 +7,10 @@
    and ones whose peak memory crosses the hard watermark are rejected.
 3. Verification: every calibration engine is released (references dropped,
    `gc.collect()`, MLX's cache cleared; the memory left is recorded against the
-   baseline), then the default and the best candidate are loaded fresh and measured in
-   alternating rounds. The best is recommended only if it beats the default beyond
-   noise: the bootstrap interval of its ratio lies above 1 and the ratio is at least
+   baseline), then the default, the best candidate and its nearest rival (if within 5%:
+   one calibration run cannot tell near ties apart) are loaded fresh and measured in
+   alternating rounds. The fastest of them is recommended only if it beats the default
+   beyond noise: the bootstrap interval of its ratio lies above 1 and the ratio is at least
    1 + MIN_GAIN. Otherwise the recommendation is the default, and the report says so.
 """
 
@@ -25,6 +26,8 @@ from omlx_core.tune.space import Candidate, SearchSpace, effective_key, refineme
 
 MIN_GAIN = 0.02
 VERIFY_ROUNDS = 3
+FINALISTS = 2  # candidates re-measured on fresh loads: the best and its nearest rival
+NEAR_TIE = 0.05  # a rival within this share of the best is a finalist too
 
 Event = Callable[[str, Result | None], None]  # (what happens, the result it produced)
 
@@ -95,40 +98,48 @@ def tune(space: SearchSpace, calibrator: Calibrator, max_ctx: int, budget_s: flo
     calibrator.release()
     outcome.memory = {"baseline_bytes": baseline, "after_release_bytes": mx.get_active_memory()}
     on_event("released calibration engines; verifying with fresh loads", None)
-    _verify(outcome, default, best, calibrator, on_event)
+    ranked = sorted((pair for pair in measured.values() if pair[0] != default and pair[1].rejected is None),
+                    key=lambda pair: -pair[1].prefill_tps)
+    finalists = [c for c, r in ranked if r.prefill_tps >= (1 - NEAR_TIE) * best_result.prefill_tps]
+    _verify(outcome, default, finalists[:FINALISTS] if best != default else [], calibrator, on_event)
     return outcome
 
 
-def _verify(outcome: Outcome, default: Candidate, best: Candidate, calibrator: Calibrator,
+def _verify(outcome: Outcome, default: Candidate, finalists: list[Candidate], calibrator: Calibrator,
             on_event: Event) -> None:
-    if best == default:
+    if not finalists:
         outcome.recommended, outcome.is_default = default, True
         outcome.reason = "no candidate beat the default during calibration"
         outcome.default = outcome.best
         return
-    runs = {"default": [], "best": []}
+    sides = [("default", default)] + [(f"finalist {i + 1}", c) for i, c in enumerate(finalists)]
+    runs: dict[str, list[Result]] = {name: [] for name, _ in sides}
     for round_ in range(VERIFY_ROUNDS):
-        order = (("default", default), ("best", best)) if round_ % 2 == 0 else \
-            (("best", best), ("default", default))
-        for name, candidate in order:
+        for name, candidate in (sides if round_ % 2 == 0 else sides[::-1]):
             calibrator.release()  # a fresh load for every verification run
             result = calibrator.measure(f"verify {name}: {candidate.label}", candidate.settings())
             runs[name].append(result)
             on_event(f"verify {name}", result)
     calibrator.release()
-    samples = {name: [s for r in results for s in r.samples] for name, results in runs.items()}
-    ratio = bootstrap_ratio(samples["default"], samples["best"])
-    outcome.default = _merged(runs["default"])
-    verified = _merged(runs["best"])
-    outcome.verification = {"rounds": VERIFY_ROUNDS, "default": outcome.default.as_dict(),
-                            "recommended": verified.as_dict(), "ratio": ratio.as_dict()}
-    if verified.rejected is not None:
+    merged = {name: _merged(results) for name, results in runs.items()}
+    outcome.default = merged["default"]
+    contenders = [(name, c) for name, c in sides[1:] if merged[name].rejected is None]
+    outcome.verification = {"rounds": VERIFY_ROUNDS,
+                            "default": outcome.default.as_dict(),
+                            "finalists": [merged[name].as_dict() for name, _ in sides[1:]]}
+    if not contenders:
         outcome.recommended, outcome.is_default = default, True
-        outcome.reason = f"the best candidate was rejected on a fresh load: {verified.rejected}"
-    elif ratio.low > 1.0 and ratio.ratio >= 1.0 + MIN_GAIN:
+        outcome.reason = "every finalist was rejected on a fresh load: " + "; ".join(
+            merged[name].rejected for name, _ in sides[1:])
+        return
+    name, best = max(contenders, key=lambda pair: merged[pair[0]].prefill_tps)
+    ratio = bootstrap_ratio(merged["default"].samples, merged[name].samples)
+    outcome.verification.update({"recommended": merged[name].as_dict(), "ratio": ratio.as_dict()})
+    if ratio.low > 1.0 and ratio.ratio >= 1.0 + MIN_GAIN:
         outcome.recommended, outcome.is_default = best, False
         outcome.reason = (f"verified {ratio.ratio:.3f}x the default's prefill tok/s "
-                          f"(95% interval {ratio.low:.3f}-{ratio.high:.3f})")
+                          f"(95% interval {ratio.low:.3f}-{ratio.high:.3f}), the fastest of "
+                          f"{len(contenders)} finalist(s) on fresh loads")
     else:
         outcome.recommended, outcome.is_default = default, True
         outcome.reason = (f"the best candidate did not beat the default beyond noise on fresh loads "
