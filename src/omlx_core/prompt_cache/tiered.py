@@ -114,8 +114,8 @@ class TieredPromptCache:
                     entries[name] = entry
         from_disk = [name for name in names if name not in entries]
         if from_disk:
-            if self.disk is None:
-                return None
+            if self.disk is None:  # cannot happen: what is present is in memory or on disk
+                raise RuntimeError(f"{from_disk[0]} is neither in memory nor on disk")
             read = self.disk.read_many(from_disk)
             for name, found in read.items():
                 if found is not None:
