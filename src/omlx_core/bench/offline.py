@@ -59,8 +59,8 @@ def prepare_model(ref: ModelRef, settings: EffectiveSettings | None) -> Prepared
     return Prepared(model, tokenizer, vocabulary, set(tokenizer.eos_token_ids), lanes)
 
 
-def _lane_key(settings: EffectiveSettings | None) -> tuple:
-    """Variants whose prefill setup (lanes, fast paths) agrees share one loaded model."""
+def install_key(settings: EffectiveSettings | None) -> tuple:
+    """Settings whose prefill install (lanes, fast paths) agrees share one prepared model."""
     if settings is None:
         return ("stock",)
     return tuple((key, str(settings[key])) for key in sorted(settings)
@@ -106,10 +106,10 @@ def run_offline(ref: ModelRef, workload: Workload, variants: list[Variant],
     on_progress(done, total, "loading model")
     models: dict[tuple, Prepared] = {}
     for variant in variants:
-        key = _lane_key(variant.settings)
+        key = install_key(variant.settings)
         if key not in models:
             models[key] = prepare_model(ref, variant.settings)
-    loaded_for = {variant.name: models[_lane_key(variant.settings)] for variant in variants}
+    loaded_for = {variant.name: models[install_key(variant.settings)] for variant in variants}
     loaded = next(iter(models.values()))
     memory = PeakMemory()
     results = []

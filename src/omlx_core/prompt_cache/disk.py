@@ -42,15 +42,15 @@ def entry_name(key: str, kind: str) -> str:
 
 def checksum(arrays: dict[str, mx.array]) -> str:
     """CRC-32 over the arrays' names and bytes, in name order."""
-    return _raw_checksum({name: (None, None, np.asarray(a.reshape(-1).view(mx.uint8)).data)
-                          for name, a in arrays.items()})
+    return _buffers_checksum({name: np.asarray(a.reshape(-1).view(mx.uint8)).data
+                              for name, a in arrays.items()})
 
 
-def _raw_checksum(tensors: dict[str, tuple]) -> str:
+def _buffers_checksum(buffers: dict) -> str:
     crc = 0
-    for name in sorted(tensors):
+    for name in sorted(buffers):
         crc = zlib.crc32(name.encode(), crc)
-        crc = zlib.crc32(tensors[name][2], crc)
+        crc = zlib.crc32(buffers[name], crc)
     return f"{crc:08x}"
 
 
@@ -209,7 +209,7 @@ class DiskTier:
             key, kind = name.rsplit(".", 1)
             expected = {"format": FORMAT, "identity": self.identity, "key": key, "kind": kind}
             if any(metadata.get(k) != v for k, v in expected.items()) or \
-                    metadata.get("checksum") != _raw_checksum(tensors):
+                    metadata.get("checksum") != _buffers_checksum({n: t[2] for n, t in tensors.items()}):
                 raise ValueError("header or checksum mismatch")
         except FileNotFoundError:
             self._forget(name)

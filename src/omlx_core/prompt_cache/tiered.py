@@ -61,6 +61,10 @@ class TieredPromptCache:
     def enabled(self) -> bool:
         return self.layout.unsupported is None
 
+    def boundary(self, prompt_tokens: int) -> int:
+        """How many leading tokens of a prompt a lookup may serve and a store keeps (0: none)."""
+        return cacheable_tokens(prompt_tokens, self.block_tokens) if self.enabled else 0
+
     # Lookup ---------------------------------------------------------------------------
 
     def lookup(self, prompt: list[int]) -> Hit:
@@ -69,8 +73,7 @@ class TieredPromptCache:
             return Hit(None)
         self.lookups += 1
         self.prompt_tokens += len(prompt)
-        limit = cacheable_tokens(len(prompt), self.block_tokens)
-        keys = block_keys(self.identity, prompt[:limit], self.block_tokens)
+        keys = block_keys(self.identity, prompt[:self.boundary(len(prompt))], self.block_tokens)
         while True:
             blocks = self._usable_blocks(keys)
             if not blocks:

@@ -25,7 +25,6 @@ from dataclasses import dataclass
 
 from omlx_core.memory.guard import MemoryRefused
 from omlx_core.memory.kv import estimate_kv_bytes, worst_case_kv_bytes
-from omlx_core.prompt_cache.chain import cacheable_tokens
 from omlx_core.serve.request import Delta, Finished, Request, Started
 from omlx_core.serve.sampling import StopText, make_sampler
 
@@ -189,7 +188,7 @@ class Engine:
         hit = prompt_cache.lookup(prompt)
         cached = hit.tokens
         request.cached_tokens = cached
-        store_at = cacheable_tokens(len(prompt), prompt_cache.block_tokens) if prompt_cache.enabled else 0
+        store_at = prompt_cache.boundary(len(prompt))
         store_at = store_at if store_at > cached else 0
         segments = [prompt[cached:store_at], prompt[store_at:]] if store_at else [prompt[cached:]]
         (uid,) = model.generator.insert_segments(

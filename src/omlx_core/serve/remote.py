@@ -7,6 +7,10 @@ import urllib.request
 from omlx_core.errors import OmlxError
 
 
+class NoServer(OmlxError):
+    """Nothing answers at the URL (refused, unreachable, timed out)."""
+
+
 def fetch_status(url: str, api_key: str | None = None, timeout: float = 5.0) -> dict:
     """The server's /api/status document; OmlxError naming the URL and the fix otherwise."""
     endpoint = url.rstrip("/") + "/api/status"
@@ -21,7 +25,7 @@ def fetch_status(url: str, api_key: str | None = None, timeout: float = 5.0) -> 
         raise OmlxError(f"{endpoint}: HTTP {error.code}; is this an omlx server?") from error
     except (urllib.error.URLError, OSError) as error:
         reason = getattr(error, "reason", error)
-        raise OmlxError(f"{url}: no omlx server answers ({reason}); start one with `omlx serve`") from error
+        raise NoServer(f"{url}: no omlx server answers ({reason}); start one with `omlx serve`") from error
     except json.JSONDecodeError as error:
         raise OmlxError(f"{endpoint}: the answer is not JSON; is this an omlx server?") from error
 
@@ -39,6 +43,7 @@ def probe_server(settings, timeout: float = 0.5) -> dict:
     try:
         return {"url": url, "running": True, "error": None,
                 "status": fetch_status(url, settings["server.api_key"], timeout)}
-    except OmlxError as error:
-        refused = "no omlx server answers" in str(error)
-        return {"url": url, "running": False, "error": None if refused else str(error), "status": None}
+    except NoServer:
+        return {"url": url, "running": False, "error": None, "status": None}
+    except OmlxError as error:  # something answers, but not as an omlx server would
+        return {"url": url, "running": False, "error": str(error), "status": None}

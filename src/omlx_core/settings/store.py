@@ -99,19 +99,7 @@ class JsonStore:
         return {}
 
     def _write_atomic(self, text: str) -> None:
-        temp = self.path.with_name(f".{self.path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
-        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8") as handle:
-                handle.write(text)
-                handle.flush()
-                os.fsync(handle.fileno())
-            os.chmod(temp, 0o600)
-            os.replace(temp, self.path)
-        except BaseException:
-            temp.unlink(missing_ok=True)
-            raise
-        _fsync_dir(self.path.parent)
+        write_text_atomic(self.path, text)
 
     def _remove_stale_temp_files(self) -> None:
         """Temp files left by a writer that was killed mid-write (its pid is gone)."""
@@ -120,6 +108,25 @@ class JsonStore:
             if len(parts) == 4 and parts[1].isdigit() and not pid_alive(int(parts[1])):
                 temp.unlink(missing_ok=True)
 
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    """Replace `path` with `text` (mode 0600) so readers see the old file or the new one:
+    a per-process temp file beside it, fsync, `os.replace`, fsync of the directory."""
+    path = Path(path)
+    temp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            handle.write(text)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.chmod(temp, 0o600)
+        os.replace(temp, path)
+    except BaseException:
+        temp.unlink(missing_ok=True)
+        raise
+    _fsync_dir(path.parent)
 
 
 def _fsync_dir(directory: Path) -> None:

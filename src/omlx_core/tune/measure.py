@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 
 from omlx_core.bench.memory import PeakMemory
-from omlx_core.bench.offline import prepare_model
+from omlx_core.bench.offline import install_key, prepare_model
 from omlx_core.bench.runs import run_generation
 from omlx_core.bench.workload import synthetic_prompts
 
@@ -40,10 +40,6 @@ class Result:
                 "seconds": round(self.seconds, 3)}
 
 
-def _install_key(settings: dict[str, str]) -> tuple:
-    return tuple(sorted((k, v) for k, v in settings.items() if k != "prefill.chunk_size"))
-
-
 class Calibrator:
     def __init__(self, ref, settings_for, workload, hard_bytes: int):
         self.ref = ref
@@ -55,10 +51,11 @@ class Calibrator:
         self._key = None
 
     def _model(self, sets: dict[str, str]):
-        key = _install_key(sets)
+        settings = self.settings_for(sets)
+        key = install_key(settings)
         if key != self._key:
             self.release()
-            self._prepared = prepare_model(self.ref, self.settings_for(sets))
+            self._prepared = prepare_model(self.ref, settings)
             self._key = key
             self.loads += 1
         return self._prepared

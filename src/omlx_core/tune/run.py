@@ -31,7 +31,7 @@ def build_space(ref, settings, max_ctx: int):
     from omlx_core.prefill.lanes import lane_statuses
     from omlx_core.prefill.plan import find_targets
 
-    model, _ = load_model(ref)
+    model, _ = load_model(ref, lazy=True)  # structure and shapes only: no weights read
     targets = find_targets(model)
     del model
     gc.collect()
@@ -99,10 +99,9 @@ def stage(document: dict, home: Path, model_key: str, save: bool, profile: str |
 
 def export_toml(document: dict, path: Path) -> None:
     """The report as TOML (None values left out, which TOML cannot hold), written atomically."""
-    import os
-    import tempfile
-
     import tomli_w
+
+    from omlx_core.settings.store import write_text_atomic
 
     def clean(node):
         if isinstance(node, dict):
@@ -111,13 +110,4 @@ def export_toml(document: dict, path: Path) -> None:
             return [clean(v) for v in node if v is not None]
         return node
 
-    text = tomli_w.dumps(clean(document))
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent or ".")
-    try:
-        with os.fdopen(fd, "w") as handle:
-            handle.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_text_atomic(Path(path), tomli_w.dumps(clean(document)))

@@ -14,6 +14,7 @@
    1 + MIN_GAIN. Otherwise the recommendation is the default, and the report says so.
 """
 
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -148,8 +149,6 @@ def _verify(outcome: Outcome, default: Candidate, finalists: list[Candidate], ca
 
 def _merged(results: list[Result]) -> Result:
     """One result for several verification runs of one candidate: pooled samples, medians."""
-    import statistics
-
     merged = Result(results[0].label.split(": ", 1)[-1], results[0].settings)
     merged.samples = [s for r in results for s in r.samples]
     merged.prefill_tps = statistics.median(merged.samples)
