@@ -11,7 +11,7 @@ from typing import Optional
 
 import typer
 
-from omlx_cli import bench, cache, clone, models, serve, settings, status, tune
+from omlx_cli import bench, cache, clone, cluster, models, serve, settings, status, tune
 from omlx_cli.context import Globals
 
 app = typer.Typer(
@@ -30,6 +30,7 @@ app.command("tune")(tune.tune)
 app.add_typer(settings.app, name="settings")
 app.add_typer(models.app, name="models")
 app.add_typer(cache.app, name="cache")
+app.add_typer(cluster.app, name="cluster")
 
 _debug = False
 

@@ -222,6 +222,10 @@ def create_app(server) -> FastAPI:
             {"id": name, "object": "model", "created": created, "owned_by": "omlx"}
             for name in server.registry.available()]}
 
+    from omlx_core.cluster.api import cluster_routes
+
+    app.include_router(cluster_routes(server, authorize))
+
     @app.get("/health")
     async def health():
         if server.engine.load_error is not None:

@@ -51,6 +51,7 @@ class Server:
                  guard: MemoryGuard | None = None):
         self.home = home
         self.options = options
+        self.settings = settings
         self.api_key = options.api_key
         self.started_at = time.time()
         self.guard = guard or MemoryGuard(soft_watermark=settings["memory.soft_watermark"],
