@@ -95,3 +95,23 @@ def hardware_fingerprint(info: dict | None = None) -> str:
     keyed["gpus"] = [(gpu["name"], gpu["compute_capability"]) for gpu in info.get("gpus", [])]
     digest = hashlib.sha256(json.dumps(keyed, sort_keys=True).encode()).hexdigest()
     return "hw-" + digest[:16]
+
+
+def kernel_hardware(info: dict | None = None) -> dict:
+    """What kernel validations match on: backend, GPU architecture and GPU name.
+
+    CUDA: the architecture is `sm_<major><minor>` (from MLX's device info, else
+    nvidia-smi's compute capability) and the name the GPU's. Metal: MLX's GPU family and
+    device name (the Apple chip). Elsewhere both are None.
+    """
+    info = info or hardware_info()
+    device = info.get("device_info", {})
+    arch = None
+    if info["backend"] == "cuda":
+        arch = device.get("architecture")
+        if not arch and info.get("gpus"):
+            arch = "sm_" + info["gpus"][0]["compute_capability"].replace(".", "")
+    elif info["backend"] == "metal":
+        arch = device.get("architecture")
+    gpu = (info.get("gpu") or device.get("device_name")) if info["backend"] in ("cuda", "metal") else None
+    return {"backend": info["backend"], "arch": arch, "gpu": gpu}

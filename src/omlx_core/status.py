@@ -8,6 +8,7 @@ import psutil
 
 from omlx_core import __version__
 from omlx_core.hardware import hardware_fingerprint, hardware_info
+from omlx_core.kernels.registry import machine_view
 from omlx_core.home import model_settings_dir, models_dir, settings_path
 from omlx_core.models.resolve import list_model_names
 from omlx_core.models.embedded import EMBEDDED_NAME, embedded_checkpoint
@@ -82,5 +83,6 @@ def offline_status(home: Path) -> dict:
             "chunked_gdn": {"enabled": settings["prefill.chunked_gdn"],
                             "min_tokens": settings["prefill.chunked_gdn_min_tokens"]},
         },
+        "kernels": machine_view(settings),
         "server": probe_server(settings),
     }

@@ -35,6 +35,7 @@ class Prepared:
     vocabulary: object
     suppress: set[int]
     lanes: object = None  # prefill.install.LaneReport, None for the stock model
+    kernels: object = None  # kernels.registry.KernelReport, None for the stock model
 
 
 def _vocab_size(ref: ModelRef) -> int:
@@ -48,23 +49,27 @@ def prepare_model(ref: ModelRef, settings: EffectiveSettings | None) -> Prepared
     """The model as `settings` prepare it (prefill lanes installed); None = stock, unsplit."""
     from omlx_core.models.clone_fp16 import is_fp16_clone
     from omlx_core.models.load import load_model
+    from omlx_core.kernels.registry import install_kernels
+    from omlx_core.models.fingerprint import model_fingerprint
     from omlx_core.prefill.install import install_prefill
 
     model, tokenizer = load_model(ref)
-    lanes = None
+    lanes = kernels = None
     if settings is not None:
+        kernels = install_kernels(model, model_fingerprint(ref.path), settings)
         lanes = install_prefill(model, settings, fp16_clone=is_fp16_clone(ref.path),
                               warmup_tokens=int(settings["prefill.split_min_tokens"]))
     vocabulary = ordinary_token_ids(tokenizer, _vocab_size(ref))
-    return Prepared(model, tokenizer, vocabulary, set(tokenizer.eos_token_ids), lanes)
+    return Prepared(model, tokenizer, vocabulary, set(tokenizer.eos_token_ids), lanes, kernels)
 
 
 def install_key(settings: EffectiveSettings | None) -> tuple:
-    """Settings whose prefill install (lanes, fast paths) agrees share one prepared model."""
+    """Settings whose prefill install (lanes, fast paths) and kernels agree share one
+    prepared model."""
     if settings is None:
         return ("stock",)
     return tuple((key, str(settings[key])) for key in sorted(settings)
-                 if key.startswith("prefill.") and key != "prefill.chunk_size")
+                 if key.startswith(("prefill.", "kernels.")) and key != "prefill.chunk_size")
 
 
 def _run_once(loaded: Prepared, variant: Variant, prompts, gen: int, memory: PeakMemory) -> Measurement:
@@ -141,7 +146,9 @@ def run_offline(ref: ModelRef, workload: Workload, variants: list[Variant],
         "settings": prefill_settings(base_settings),
         "workload": workload.as_dict(),
         "variants": [{**variant.describe(),
-                      "lanes": loaded_for[variant.name].lanes.as_dict() if loaded_for[variant.name].lanes else None}
+                      "lanes": loaded_for[variant.name].lanes.as_dict() if loaded_for[variant.name].lanes else None,
+                      "kernels": (loaded_for[variant.name].kernels.as_dict()["kernels"]
+                                  if loaded_for[variant.name].kernels else None)}
                      for variant in variants],
         "results": results,
         "comparisons": comparisons,

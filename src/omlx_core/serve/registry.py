@@ -27,6 +27,7 @@ class LoadedModel:
     kv: object  # memory.kv.KVProfile
     weights_bytes: int
     lanes: object  # prefill.install.LaneReport
+    kernels: object  # kernels.registry.KernelReport
     context_length: int
     vocab_size: int
     pinned: bool
@@ -103,6 +104,7 @@ class ModelRegistry:
         from omlx_core.memory.kv import kv_profile
         from omlx_core.memory.weights import weights_bytes
         from omlx_core.models.clone_fp16 import is_fp16_clone
+        from omlx_core.kernels.registry import install_kernels
         from omlx_core.prefill.install import install_prefill
         from omlx_core.prompt_cache.tiered import open_prompt_cache
 
@@ -112,14 +114,16 @@ class ModelRegistry:
         config = read_text_config(ref.path)
         size = weights_bytes(model)
         self.guard.register_weights(ref.name, size)
+        fingerprint = model_fingerprint(ref.path)
+        kernels = install_kernels(model, fingerprint, settings)
         lanes = install_prefill(model, settings, fp16_clone=is_fp16_clone(ref.path),
                               warmup_tokens=int(settings["prefill.split_min_tokens"]))
         if lanes.extra_bytes:
             self.guard.register_extra(f"prefill_lanes:{ref.name}", lanes.extra_bytes)
-        fingerprint = model_fingerprint(ref.path)
         loaded = LoadedModel(
             ref=ref, model=model, tokenizer=tokenizer, fingerprint=fingerprint,
             settings=settings, kv=kv_profile(model), weights_bytes=size, lanes=lanes,
+            kernels=kernels,
             context_length=_context_length(config, tokenizer),
             vocab_size=int(config.get("vocab_size") or len(tokenizer)), pinned=pinned,
             prompt_cache=open_prompt_cache(model, ref.path, fingerprint, self.home, settings,

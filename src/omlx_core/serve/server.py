@@ -93,6 +93,7 @@ class Server:
                 "prompt_cache": model.prompt_cache.stats(),
                 "active_profile": model.settings.profile,
                 "prefill": _prefill(model),
+                "kernels": model.kernels.as_dict()["kernels"],
             })
         return {
             "version": __version__, "uptime_s": round(time.time() - self.started_at, 3),

@@ -130,6 +130,14 @@ class Setting:
         return str(value)
 
 
+def kernel_setting(name: str, what: str) -> Setting:
+    """The auto|on|off switch of registered kernel `name` (omlx_core.kernels.catalog)."""
+    return Setting(f"kernels.{name}", "choice", "auto",
+                   f"Custom kernel for {what}: auto = only where validated (model and hardware); "
+                   "on = also unvalidated (experimental, warns); off = mlx-lm's ops.",
+                   choices=("auto", "on", "off"))
+
+
 SETTINGS: tuple[Setting, ...] = (
     Setting("server.host", "str", "127.0.0.1", "Address omlx serve listens on."),
     Setting("server.port", "int", 8000, "TCP port omlx serve listens on.", minimum=1, maximum=65535),
@@ -192,6 +200,7 @@ SETTINGS: tuple[Setting, ...] = (
             "Prefill gated-delta layers (qwen3_5) in chunks instead of token by token (parity-keeping)."),
     Setting("prefill.chunked_gdn_min_tokens", "count", 64,
             "Inputs of at least this many tokens use the chunked gated-delta prefill.", minimum=1),
+    kernel_setting("indexer_score", "the deepseek_v41 indexer score (fused, no per-head tensor)"),
     Setting("models.default", "str", "default", "Model used when a command names none."),
     Setting("models.pinned", "list", [], "Models omlx serve keeps loaded."),
     Setting("cluster.enabled", "bool", False, "Experimental: distributed inference over enrolled workers."),

@@ -1,0 +1,11 @@
+"""The kernels omlx ships, in the order they are decided and installed.
+
+To add one: write its module (a `SPEC`: `registry.KernelSpec`, and the module replacing
+mlx-lm's), its source under `kernels/`, a `kernels.<name>` setting in
+`settings/schema.py` (`kernel_setting`), and list it here. Imports stay inside
+`registered()` so `omlx status` and `settings` load no kernel code they do not need.
+"""
+
+
+def registered() -> tuple:
+    return ()
