@@ -228,9 +228,10 @@ def authorize(ctx: typer.Context, controller_id: str = typer.Option(..., "--cont
               revoke: bool = typer.Option(False, "--revoke")):
     """(Run by the controller over SSH.) Stage, promote or revoke its key in this worker's authorized_keys."""
     from omlx_core.cluster import authorized_keys
+    from omlx_core.cluster.join import joined_ssh_dir
     from omlx_core.errors import InputError
 
-    ssh_dir = _settings(ctx)["cluster.ssh_dir"]
+    ssh_dir = joined_ssh_dir(globals_of(ctx).home, controller_id)
     if revoke:
         authorized_keys.revoke(ssh_dir, controller_id, pending)
     elif promote:

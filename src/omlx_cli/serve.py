@@ -22,6 +22,9 @@ def serve(
         None, "--max-concurrency", help="Requests generated together (setting server.max_concurrency)."),
     max_queue: Optional[int] = typer.Option(
         None, "--max-queue", help="Requests waiting beyond those before 503 (setting server.max_queue)."),
+    distributed: bool = typer.Option(
+        False, "--distributed", help="Experimental: shard the model over the enrolled workers "
+                                     "(needs cluster.enabled; verifies them first)."),
 ):
     """Serve models over an OpenAI-compatible HTTP API (chat, completions, models)."""
     from omlx_core.serve.server import Server, server_options
@@ -31,6 +34,12 @@ def serve(
     cli = {key: value for key, value in flags.items() if value is not None}
     home = globals_of(ctx).home
     options, settings = server_options(home, model, cli)
+    if distributed:
+        from omlx_core.cluster.distributed import serve_distributed
+        from omlx_core.models.resolve import resolve
+
+        ref = resolve(options.models[0], home)
+        raise typer.Exit(serve_distributed(home, settings, ref.path, options.host, options.port, ref.name))
     server = Server(home, options, settings, cli)
     quiet = globals_of(ctx).quiet
     where = f"http://{options.host}:{options.port}"

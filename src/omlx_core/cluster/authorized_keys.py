@@ -1,6 +1,9 @@
 """Edit a worker's `authorized_keys` safely: one omlx line per controller, updated in place.
 
-The controller's key goes in as `from="<controller address>",restrict <key> omlx-controller:<id>`.
+The controller's key goes in as `from="<controller address>",restrict,pty <key> omlx-controller:<id>`:
+logins only from the controller, no forwarding, agent, X11 or user rc. `pty` is re-allowed
+because `mlx.launch` runs each rank under `ssh -tt` (the terminal's hangup is how a remote
+rank dies with its launcher) and fails outright without one.
 Re-enrollment replaces that line where it stands; other lines are kept byte for byte. The
 file is written with a temp file and an atomic replace (0600) in a 0700 directory. A
 symlinked `~/.ssh` or `authorized_keys` is refused: the write could land anywhere.
@@ -14,6 +17,7 @@ from omlx_core.cluster.keys import check_public_key
 from omlx_core.errors import OmlxError
 from omlx_core.settings.store import write_text_atomic
 
+OPTIONS = "restrict,pty"
 ADDRESS = re.compile(r"^[A-Za-z0-9.:*?!/-]+$")
 
 
@@ -68,7 +72,7 @@ def authorize(ssh_dir: str | Path, public_key: str, from_address: str, controlle
     if not re.fullmatch(r"[0-9a-f]{8,64}", controller_id):
         raise OmlxError(f"controller id {controller_id!r} is not an omlx controller id")
     path = _file(ssh_dir)
-    line = f'from="{from_address}",restrict {key} {marker(controller_id, pending)}\n'
+    line = f'from="{from_address}",{OPTIONS} {key} {marker(controller_id, pending)}\n'
     lines = _lines(path)
     tag = marker(controller_id, pending)
     for index, existing in enumerate(lines):
@@ -85,7 +89,7 @@ def current_line(ssh_dir: str | Path, controller_id: str) -> dict | None:
     """The controller's current line as {"from", "key"}, or None."""
     for line in _lines(_file(ssh_dir)):
         if _owner(line) == marker(controller_id):
-            found = re.match(r'^from="([^"]*)",restrict (\S+ \S+) ', line)
+            found = re.match(r'^from="([^"]*)",\S+ (\S+ \S+) ', line)
             if found:
                 return {"from": found.group(1), "key": found.group(2)}
     return None

@@ -8,6 +8,7 @@ controller's key in `authorized_keys` (`from=<controller>,restrict`, in place).
 import getpass
 import socket
 import sys
+import time
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -16,9 +17,11 @@ import httpx
 from omlx_core.cluster import authorized_keys
 from omlx_core.cluster.hosts import resolve
 from omlx_core.cluster.keys import check_public_key, worker_pair
+from omlx_core.cluster.paths import cluster_dir
 from omlx_core.cluster.probe import probe, resolve_backend
 from omlx_core.errors import InputError, OmlxError
 from omlx_core.home import resolve_home
+from omlx_core.settings.store import JsonStore
 
 
 def _post(url: str, path: str, body: dict, timeout_s: float) -> dict:
@@ -46,6 +49,24 @@ def controller_address(url: str, given: str | None) -> str:
     return addresses[0]
 
 
+def _joined(home: Path) -> JsonStore:
+    return JsonStore(cluster_dir(home) / "worker.json")
+
+
+def remember(home: Path, controller_id: str, url: str, ssh_dir: Path) -> None:
+    """Record which SSH directory this join edited: the controller's later remote commands
+    (rotation, revocation) must edit the same one, whatever their login's environment says."""
+    entry = {"url": url, "ssh_dir": str(ssh_dir.resolve()), "joined_at": time.time()}
+    _joined(home).update(lambda d: d.setdefault("controllers", {}).__setitem__(controller_id, entry))
+
+
+def joined_ssh_dir(home: Path, controller_id: str) -> Path:
+    entry = _joined(home).read().get("controllers", {}).get(controller_id)
+    if entry is None:
+        raise InputError(f"this worker ({cluster_dir(home)}) has not joined controller {controller_id}: join it first")
+    return Path(entry["ssh_dir"])
+
+
 def join(home: Path, settings, url: str, code: str, name: str | None, backend: str,
          timeout_s: float = 60.0) -> dict:
     if not urlparse(url).scheme:
@@ -59,6 +80,7 @@ def join(home: Path, settings, url: str, code: str, name: str | None, backend: s
     address = controller_address(url, claimed.get("controller_address"))
     path = authorized_keys.authorize(settings["cluster.ssh_dir"], claimed["controller_key"], address,
                                      claimed["controller_id"])
+    remember(home, claimed["controller_id"], url, path.parent)
     host_keys = []
     for file in settings["cluster.host_key_files"]:
         try:

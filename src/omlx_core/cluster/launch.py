@@ -25,6 +25,10 @@ from omlx_core.home import resolve_home
 from omlx_core.settings.store import write_text_atomic
 
 
+# The `mlx.launch` console script, run with this interpreter (its module has no __main__).
+MLX_LAUNCH = "import sys; from mlx._distributed_utils.launch import main; sys.argv[0] = 'mlx.launch'; sys.exit(main())"
+
+
 @dataclass(frozen=True)
 class Rank:
     ssh: str  # what mlx.launch ssh-es to; 127.0.0.1 means "run here"
@@ -60,7 +64,7 @@ def dispatcher(group: list[Rank], module: str, args: list[str]) -> list[str]:
 
 
 def command(hostfile: Path, backend: str, ring_port: int, rank_command: list[str]) -> list[str]:
-    return [sys.executable, "-m", "mlx._distributed_utils.launch", "--hostfile", str(hostfile),
+    return [sys.executable, "-c", MLX_LAUNCH, "--hostfile", str(hostfile),
             "--backend", backend, "--starting-port", str(ring_port), "--", *rank_command]
 
 

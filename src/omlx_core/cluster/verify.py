@@ -15,7 +15,9 @@ from omlx_core.cluster import inventory, launch, ssh
 from omlx_core.cluster.hosts import primary_address
 from omlx_core.cluster.keys import controller_pair
 from omlx_core.cluster.probe import mismatches, probe
+from omlx_core.cluster.paths import cluster_dir
 from omlx_core.errors import OmlxError
+from omlx_core.settings.store import write_text_atomic
 
 
 @dataclass
@@ -94,17 +96,19 @@ def collective_check(home: Path, workers: list[inventory.Worker], key, backend: 
                                         "omlx_core.cluster.collective",
                                         ["--backend", backend, "--timeout", str(timeout_s)], timeout_s + 5)
     seconds = time.monotonic() - start
+    log = cluster_dir(home) / "collective.log"
+    write_text_atomic(log, f"$ mlx.launch ({backend}, {len(group)} ranks)\n--- stdout\n{out}\n--- stderr\n{err}\n")
     lines = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
     good = [line for line in lines if line.get("ok")]
     if code == 0 and len(good) == len(group):
         return Step("collective", True, f"{backend} all-sum across {len(group)} ranks: {good[0]['sum']:g}", seconds)
     if code is None:
-        detail = f"{backend} all-sum across {len(group)} ranks did not finish within {timeout_s:g} s"
+        detail = (f"{backend} all-sum across {len(group)} ranks did not finish within {timeout_s:g} s; "
+                  f"the ranks' output is in {log}")
     else:
         problems = [f"rank {line.get('rank')}: {line.get('error')}" for line in lines if not line.get("ok")]
-        tail = (err.strip().splitlines() or ["no output"])[-1]
         detail = (f"{backend} all-sum failed ({len(good)}/{len(group)} ranks answered): "
-                  + ("; ".join(problems) if problems else tail))
+                  + ("; ".join(problems) if problems else f"exit status {code}") + f"; the ranks' output is in {log}")
     return Step("collective", False, detail, seconds)
 
 
