@@ -1,6 +1,7 @@
 """The collective check every rank runs under `mlx.launch`: one all-sum across the group.
 
-Rank r contributes r + 1; every rank must read 1 + 2 + … + size. Each rank prints one JSON
+Rank r contributes r + 1; every rank must read 1 + 2 + … + size. On NCCL the ranks also
+log NCCL's channel setup, from which `verify` reads whether peers talk over a direct link. Each rank prints one JSON
 line and exits within `--timeout` even if a peer never connects (SIGALRM), so a broken
 group fails on time instead of hanging.
 """
@@ -27,6 +28,8 @@ def main(argv=None) -> int:
     signal.signal(signal.SIGALRM, give_up)
     signal.setitimer(signal.ITIMER_REAL, args.timeout)
 
+    if args.backend == "nccl":
+        os.environ.setdefault("NCCL_DEBUG", "INFO")  # its channel lines name the transport per peer
     import mlx.core as mx
 
     start = time.monotonic()

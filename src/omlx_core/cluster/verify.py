@@ -88,6 +88,17 @@ def _check_worker(home: Path, worker: inventory.Worker, key, here: dict, timeout
     return result
 
 
+DIRECT = ("P2P", "NVLS", "CUMEM", "SHM", "NET/IB", "COLLNET")
+
+
+def nccl_links(output: str) -> tuple[bool, set[str]]:
+    """NCCL's `Channel … via TRANSPORT` lines: (every peer link is direct, the transports seen).
+    A single rank has no peers, so nothing is reported and nothing can be indirect."""
+    links = {line.split(" via ", 1)[1].split()[0] for line in output.splitlines() if " via " in line
+             and "Channel" in line}
+    return all(any(kind in link for kind in DIRECT) for link in links), links
+
+
 def collective_check(home: Path, workers: list[inventory.Worker], key, backend: str, ring_port: int,
                      timeout_s: float, controller_ip: str) -> Step:
     group = launch.ranks(home, controller_ip, workers)
@@ -101,7 +112,14 @@ def collective_check(home: Path, workers: list[inventory.Worker], key, backend: 
     lines = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
     good = [line for line in lines if line.get("ok")]
     if code == 0 and len(good) == len(group):
-        return Step("collective", True, f"{backend} all-sum across {len(group)} ranks: {good[0]['sum']:g}", seconds)
+        detail = f"{backend} all-sum across {len(group)} ranks: {good[0]['sum']:g}"
+        if backend == "nccl":
+            direct, links = nccl_links(out)
+            detail += f"; transports: {', '.join(sorted(links)) or 'none reported'}"
+            if not direct:
+                return Step("collective", False, detail + ": NCCL found no direct link between the GPUs "
+                            "(NVLink/PCIe P2P or InfiniBand); it would run over sockets", seconds)
+        return Step("collective", True, detail, seconds)
     if code is None:
         detail = (f"{backend} all-sum across {len(group)} ranks did not finish within {timeout_s:g} s; "
                   f"the ranks' output is in {log}")
