@@ -90,6 +90,8 @@ def test_join_end_to_end_installs_a_restricted_key_and_the_controller_logs_in(jo
     inventory = c.controller / "cluster" / "inventory.json"
     assert oct(inventory.stat().st_mode & 0o777) == "0o600"
     assert oct((c.controller / "cluster").stat().st_mode & 0o777) == "0o700"
+    status = json.loads(run_omlx(c.controller, "status", "--json", env=c.env, check=True).stdout)["cluster"]
+    assert status == {**status, "enabled": False, "workers": ["w1"]}
     exported = run_omlx(c.controller, "cluster", "export", env=c.env, check=True).stdout
     import tomllib
 

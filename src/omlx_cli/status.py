@@ -122,6 +122,9 @@ def _render(report: dict) -> None:
                         kernel["reason"])
     if report["kernels"]:
         console.print(kernels)
+    cluster = report["cluster"]
+    console.print(f"cluster: {'on' if cluster['enabled'] else 'off'} ({cluster['reason']}); "
+                  f"workers: {', '.join(cluster['workers']) or 'none'}")
     fast = report["fast_paths"]
     console.print("fast paths  " + ", ".join(
         f"{name.replace('_', '-')} {'on' if path['enabled'] else 'off'} (>= {path['min_tokens']} tokens)"

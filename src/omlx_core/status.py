@@ -47,6 +47,20 @@ def settings_files(home: Path) -> list[dict]:
     return files
 
 
+def cluster_summary(home: Path, settings) -> dict:
+    """Whether distributed serving is on and who is enrolled (only looks; creates nothing)."""
+    import json
+
+    inventory = home / "cluster" / "inventory.json"
+    try:
+        workers = json.loads(inventory.read_text()).get("workers", []) if inventory.is_file() else []
+    except (OSError, ValueError):
+        workers = []
+    return {"enabled": settings["cluster.enabled"], "workers": [w.get("name") for w in workers],
+            "reason": "experimental; on with cluster.enabled" if not settings["cluster.enabled"]
+            else f"serve --distributed verifies {len(workers)} worker(s) before it starts"}
+
+
 def offline_status(home: Path) -> dict:
     from omlx_core.serve.remote import probe_server
 
@@ -84,5 +98,6 @@ def offline_status(home: Path) -> dict:
                             "min_tokens": settings["prefill.chunked_gdn_min_tokens"]},
         },
         "kernels": machine_view(settings),
+        "cluster": cluster_summary(home, settings),
         "server": probe_server(settings),
     }
