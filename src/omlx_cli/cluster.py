@@ -56,7 +56,8 @@ def invite(ctx: typer.Context, ttl: str = typer.Option("10m", "--ttl", help="How
     print(result["code"])
     note(ctx, f"omlx: single-use join code, valid until {expires}. On the worker run:\n"
               f"  omlx cluster join {result['controller_url']} --code {result['code']}\n"
-              f"(`omlx serve` must be running here to answer it; controller key {result['controller_key']})")
+              f"(`omlx serve` must be running here to answer it; controller key {result['controller_key']})"
+              + (f"\nomlx: note: {result['note']}" if result["note"] else ""))
 
 
 @app.command()

@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 from omlx_core.cluster import inventory, invites, ssh
+from omlx_core.cluster.hosts import primary_address
 from omlx_core.cluster.keys import check_public_key, controller_pair
 from omlx_core.cluster.probe import probe
 from omlx_core.errors import InputError, OmlxError
@@ -19,9 +20,22 @@ def invite(home: Path, settings, ttl_s: float) -> dict:
     key = controller_pair(home)
     code, record = invites.create(home, ttl_s)
     host = settings["server.host"]
-    host = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
-    return {"code": code, **record, "controller_url": f"http://{host}:{settings['server.port']}",
-            "controller_id": inventory.controller_id(home), "controller_key": key.fingerprint()}
+    wildcard = host in ("0.0.0.0", "::", "")
+    url = f"http://{primary_address() if wildcard else host}:{settings['server.port']}"
+    loopback = not wildcard and is_loopback(host)
+    return {"code": code, **record, "controller_url": url, "controller_id": inventory.controller_id(home),
+            "controller_key": key.fingerprint(),
+            "note": ("omlx serve listens on loopback only (server.host): only this machine can join; "
+                     "serve with --host 0.0.0.0 for other machines") if loopback else None}
+
+
+def is_loopback(host: str) -> bool:
+    import ipaddress
+
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
 
 
 def claim(home: Path, settings, code: str, name: str) -> dict:
