@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import mlx.nn as nn
 import pytest
+from mlx.utils import tree_flatten
 
 from conftest import run_omlx
 from omlx_core.errors import OmlxError
@@ -221,3 +222,95 @@ def test_kernel_setting_rejects_bad_values(home):
     report = json.loads(run_omlx(home, "status", "--json", check=True).stdout)
     assert all(k["reason"] == "off by kernels.indexer_score = off"
                for k in report["kernels"] if k["name"] == "indexer_score")
+
+
+# --- the indexer score kernel's module, on this CPU machine (the kernel itself runs on CUDA) ---
+
+from mlx_lm.generate import generate_step  # noqa: E402
+from mlx_lm.utils import load  # noqa: E402
+
+from omlx_core.kernels import indexer_score  # noqa: E402
+from omlx_core.models.testing import build_tiny_model  # noqa: E402
+
+GREEDY_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def tiny_deepseek(tmp_path_factory):
+    return build_tiny_model("deepseek_v41", tmp_path_factory.mktemp("dsv41") / "m", quantized=True)
+
+
+def greedy(model, prompt) -> list[int]:
+    return [int(token) for token, _ in generate_step(mx.array(prompt), model, max_tokens=GREEDY_TOKENS)]
+
+
+def prompt_of(tokenizer) -> list[int]:
+    text = "The harbour was quiet in the early morning. " * 6
+    return tokenizer.encode(text)
+
+
+def test_tiny_deepseek_generates_as_before_with_the_registry_installed(tiny_deepseek):
+    stock, tokenizer = load(str(tiny_deepseek))
+    prompt = prompt_of(tokenizer)
+    assert len(prompt) > 40  # past the sliding window (16): the indexer selects
+    expected = greedy(stock, prompt)
+    model, _ = load(str(tiny_deepseek))
+    report = install_kernels(model, "mf-tiny", {})
+    decision = next(d for d in report.decisions if d.kernel == "indexer_score")
+    assert not decision.active and decision.reason == "needs the cuda backend; this machine computes on cpu"
+    assert indexer_score.indexer_paths(model)  # mlx-lm's modules stay
+    assert greedy(model, prompt) == expected
+
+
+def test_fused_indexer_module_matches_mlx_lm_and_keeps_the_parameters(tiny_deepseek):
+    stock, tokenizer = load(str(tiny_deepseek))
+    prompt = prompt_of(tokenizer)
+    expected = greedy(stock, prompt)
+    model, _ = load(str(tiny_deepseek))
+    before = sorted(name for name, _ in tree_flatten(model.parameters()))
+    paths = indexer_score.install(model)  # forced in, as kernels.indexer_score = on would
+    assert sorted(paths) == [f"model.layers.{i}.self_attn.indexer" for i in (1, 4, 6)]
+    modules = dict(model.named_modules())
+    assert all(isinstance(modules[path], indexer_score.FusedIndexer) for path in paths)
+    after = sorted(name for name, _ in tree_flatten(model.parameters()))
+    assert after == before
+    assert greedy(model, prompt) == expected
+    # On CPU the module computes the scores with the ops expression, and says so.
+    assert sum(modules[p].ops_calls for p in paths) > 0 and sum(modules[p].fused_calls for p in paths) == 0
+
+
+@pytest.mark.parametrize("candidate_source,with_candidates", [(True, False), (False, True), (False, False)])
+def test_fused_indexer_outputs_equal_mlx_lm_indexer(candidate_source, with_candidates):
+    from mlx_lm.models import deepseek_v41 as ds
+    from mlx_lm.models.rope_utils import YarnRoPE
+
+    args = ds.ModelArgs(hidden_size=64, q_lora_rank=32, head_dim=64, qk_rope_head_dim=16,
+                        compress_ratios=(4,), kv_source_layer_ids=(0,), index_source_layer_ids=(0,),
+                        candidate_source_layer_id=0 if candidate_source else -1,
+                        candidate_topk_blocks=3, candidate_block_size=4,
+                        index_n_heads=8, index_head_dim=32, index_topk=6)
+    mx.random.seed(3)
+    original = ds.Indexer(args, 0)
+    fused = indexer_score.FusedIndexer(original)
+    rope = YarnRoPE(dims=16, traditional=True, base=160000.0)
+    length, entries, start = 24, 40, 150
+    x = mx.random.normal((2, length, 64))
+    q_residual = mx.random.normal((2, length, 32))
+    index_k = ds._fake_quant_fp4(mx.random.normal((2, entries, 32)), block_size=32)
+    candidates = mx.random.uniform(shape=(2, length, entries)) > 0.3 if with_candidates else None
+    kwargs = dict(index_k=index_k, candidates=candidates, rope=rope, start_pos=start)
+    top_ops, cand_ops = original(x, q_residual, **kwargs)
+    top_fused, cand_fused = fused(x, q_residual, **kwargs)
+    assert mx.array_equal(top_ops, top_fused).item()
+    assert (cand_ops is None) == (cand_fused is None)
+    if cand_ops is not None:
+        assert mx.array_equal(cand_ops, cand_fused).item()
+    assert (top_ops >= 0).sum().item() > 0
+
+
+def test_fusable_says_why_not():
+    q = mx.zeros((1, 4, 64, 128), dtype=mx.bfloat16)
+    keys = mx.zeros((1, 16, 128), dtype=mx.bfloat16)
+    if mx.default_device() == mx.cpu:
+        assert indexer_score.fusable(q, keys) == "the kernel runs on CUDA only"
+    assert indexer_score.SPEC.applies(Toy()) is False

@@ -3,9 +3,11 @@
 To add one: write its module (a `SPEC`: `registry.KernelSpec`, and the module replacing
 mlx-lm's), its source under `kernels/`, a `kernels.<name>` setting in
 `settings/schema.py` (`kernel_setting`), and list it here. Imports stay inside
-`registered()` so `omlx status` and `settings` load no kernel code they do not need.
+`registered()` so `omlx settings` loads no kernel code.
 """
 
 
 def registered() -> tuple:
-    return ()
+    from omlx_core.kernels import indexer_score
+
+    return (indexer_score.SPEC,)
