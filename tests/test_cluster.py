@@ -5,7 +5,6 @@ import json
 import os
 import socket
 import subprocess
-import threading
 import time
 from pathlib import Path
 from types import SimpleNamespace

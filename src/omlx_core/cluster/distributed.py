@@ -10,7 +10,6 @@ import sys
 from pathlib import Path
 
 from omlx_core.cluster import inventory, launch
-from omlx_core.cluster.hosts import primary_address
 from omlx_core.cluster.keys import controller_pair
 from omlx_core.cluster.verify import verify
 from omlx_core.errors import InputError, OmlxError
@@ -38,9 +37,7 @@ def serve_distributed(home: Path, settings, model_path: Path, host: str, port: i
     if not report.ok:
         raise OmlxError(f"not starting distributed serving, verification failed: {report.failure()}")
     workers = inventory.workers(home)
-    controller_ip = settings["cluster.address"] or (
-        "127.0.0.1" if all(launch.ip_of(w.ssh_host).startswith("127.") for w in workers) else primary_address())
-    group = launch.ranks(home, controller_ip, workers)
+    group = launch.ranks(home, launch.controller_ip(settings, workers), workers)
     print(f"omlx: verified {len(group)} ranks ({report.backend}); launching {name} ({sharding} parallel)",
           file=sys.stderr, flush=True)
     process = launch.start(home, group, workers, controller_pair(home), report.backend,

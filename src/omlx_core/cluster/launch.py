@@ -16,7 +16,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from omlx_core.cluster.hosts import resolve
+from omlx_core.cluster.hosts import primary_address, resolve
 from omlx_core.cluster.inventory import Worker
 from omlx_core.cluster.keys import KeyPair
 from omlx_core.cluster.paths import cluster_dir
@@ -40,6 +40,16 @@ class Rank:
 def ip_of(host: str) -> str:
     addresses = sorted(a for a in resolve(host) if ":" not in a)
     return addresses[0] if addresses else host
+
+
+def controller_ip(settings, workers: list[Worker]) -> str:
+    """Where the workers' ranks reach rank 0: the setting, loopback for an all-local group,
+    else this machine's outgoing address."""
+    if settings["cluster.address"]:
+        return settings["cluster.address"]
+    if all(ip_of(w.ssh_host).startswith("127.") for w in workers):
+        return "127.0.0.1"
+    return primary_address()
 
 
 def ranks(home: Path, controller_ip: str, workers: list[Worker]) -> list[Rank]:

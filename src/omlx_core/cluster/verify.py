@@ -12,7 +12,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from omlx_core.cluster import inventory, launch, ssh
-from omlx_core.cluster.hosts import primary_address
 from omlx_core.cluster.keys import controller_pair
 from omlx_core.cluster.probe import mismatches, probe
 from omlx_core.cluster.paths import cluster_dir
@@ -144,10 +143,8 @@ def verify(home: Path, settings, names: list[str] | None = None) -> Report:
     with ThreadPoolExecutor(max_workers=min(16, len(chosen))) as pool:
         report.workers = list(pool.map(lambda w: _check_worker(home, w, key, here, timeout_s), chosen))
     if all(result.ok for result in report.workers):
-        controller_ip = settings["cluster.address"] or (
-            "127.0.0.1" if all(launch.ip_of(w.ssh_host).startswith("127.") for w in chosen) else primary_address())
         report.collective = collective_check(home, chosen, key, backend, int(settings["cluster.ring_port"]),
-                                             timeout_s, controller_ip)
+                                             timeout_s, launch.controller_ip(settings, chosen))
     else:
         report.collective = Step("collective", False, "skipped: not every worker passed the checks above", 0.0)
     for result in report.workers:
