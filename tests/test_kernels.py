@@ -308,6 +308,21 @@ def test_fused_indexer_outputs_equal_mlx_lm_indexer(candidate_source, with_candi
     assert (top_ops >= 0).sum().item() > 0
 
 
+def test_indexer_kernel_is_validated_only_for_v4_flash_shapes_on_the_h200():
+    from omlx_core.kernels.registry import ModelFacts
+
+    flash = ModelFacts(None, "deepseek_v41", {"index_n_heads": 64, "index_head_dim": 128})
+    tiny = ModelFacts(None, "deepseek_v41", {"index_n_heads": 4, "index_head_dim": 64})
+    spec_ = indexer_score.SPEC
+    assert decide(spec_, "auto", H200, flash).active
+    assert decide(spec_, "auto", H200, flash).reason.startswith(
+        "validated on deepseek_v41 (index_head_dim=128, index_n_heads=64) on cuda sm_90 NVIDIA H200")
+    assert not decide(spec_, "auto", H200, tiny).active
+    assert not decide(spec_, "auto", H100, flash).active
+    assert not decide(spec_, "auto", M3, flash).active
+    assert not decide(spec_, "off", H200, flash).active
+
+
 def test_fusable_says_why_not():
     q = mx.zeros((1, 4, 64, 128), dtype=mx.bfloat16)
     keys = mx.zeros((1, 16, 128), dtype=mx.bfloat16)

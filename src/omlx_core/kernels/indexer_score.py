@@ -51,8 +51,9 @@ def fusable(q: mx.array, keys: mx.array) -> str | None:
         return f"{heads} index heads (the kernel reduces exactly {HEADS} in MLX's order)"
     if head_dim % 16:
         return f"index head dim {head_dim} is not a multiple of 16"
-    if q.dtype not in (mx.bfloat16, mx.float16) or keys.dtype != q.dtype:
-        return f"q {q.dtype} / keys {keys.dtype} (needs both bfloat16 or both float16)"
+    if q.dtype != mx.bfloat16 or keys.dtype != q.dtype:
+        # The source has a float16 variant too; it stays off until validated like bf16.
+        return f"q {q.dtype} / keys {keys.dtype} (validated for bfloat16 only)"
     if entries < 2:
         return "fewer than 2 entries (MLX then reduces the heads in another order)"
     return None
@@ -175,7 +176,12 @@ SPEC = KernelSpec(
     name="indexer_score",
     replaces="deepseek_v41 Indexer score (the [batch, length, heads, entries] tensor summed over heads)",
     source="indexer_score.cu",
-    validated=(),
+    # Architecture-level (registry docstring): the score depends on the index heads, the
+    # head size and the activation dtype, not on the weights. Checked by
+    # scripts/bench/indexer.py at V4 Flash's shapes: identical top-k, scores bit-exact.
+    validated=(Validation(ModelMatch.architecture("deepseek_v41", index_n_heads=64, index_head_dim=128),
+                          HardwareMatch("cuda", "sm_90", "NVIDIA H200"),
+                          "docs/benchmarks/indexer-score-h200-v4-flash.json"),),
     applies=lambda model: bool(indexer_paths(model)),
     absent="deepseek_v41 Indexer",
     install=install,
