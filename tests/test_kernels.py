@@ -9,7 +9,7 @@ import mlx.nn as nn
 import pytest
 from mlx.utils import tree_flatten
 
-from conftest import run_omlx
+from conftest import omlx_env, run_omlx
 from omlx_core.errors import OmlxError
 from omlx_core.kernels.catalog import registered
 from omlx_core.kernels.registry import (HardwareMatch, KernelSpec, ModelMatch, Validation, decide,
@@ -212,6 +212,8 @@ def test_status_lists_registered_kernels(home):
     assert names == [kernel.name for kernel in registered()]
     for kernel in report["kernels"]:
         assert kernel["reason"] and isinstance(kernel["active"], bool)
+    text = run_omlx(home, "status", check=True, env={**omlx_env(home), "COLUMNS": "250"}).stdout
+    assert "indexer_score" in text and "[batch, length, heads, entries]" in text
 
 
 def test_kernel_setting_rejects_bad_values(home):

@@ -116,10 +116,12 @@ def _render(report: dict) -> None:
         table.add_row(lane["name"], "yes" if lane["eligible"] else "[yellow]ineligible[/]",
                       "on" if lane["enabled"] else "off", lane["reason"])
     console.print(table)
+    from rich.markup import escape
+
     kernels = Table("kernel", "replaces", "here", "reason", title="kernels", title_justify="left")
     for kernel in report["kernels"]:
-        kernels.add_row(kernel["name"], kernel["replaces"], "[green]active[/]" if kernel["active"] else "off",
-                        kernel["reason"])
+        kernels.add_row(kernel["name"], escape(kernel["replaces"]),
+                        "[green]active[/]" if kernel["active"] else "off", escape(kernel["reason"]))
     if report["kernels"]:
         console.print(kernels)
     cluster = report["cluster"]
