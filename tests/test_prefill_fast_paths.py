@@ -91,7 +91,8 @@ def test_dequantize_to_dense_matches_the_quantized_path_and_composes_with_lanes(
     path = build_tiny_model("llama", tmp_path / "q", quantized=True, dtype="bfloat16")
     reference, _ = load(str(path))
     dense, _ = load(str(path))
-    settings = load_settings(home, cli={"prefill.dense": "on", "prefill.dense_min_tokens": 16})
+    settings = load_settings(home, cli={"prefill.dense": "on", "prefill.dense_min_tokens": 16,
+                                        "compute.upcast_quantized": "off"})
     report = install_prefill(dense, settings, fp16_clone=False)
     layers = report.fast_paths.dense_layers
     assert layers and all(isinstance(layer, DequantizedPrefill) for layer in layers)

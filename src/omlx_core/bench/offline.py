@@ -69,7 +69,7 @@ def install_key(settings: EffectiveSettings | None) -> tuple:
     if settings is None:
         return ("stock",)
     return tuple((key, str(settings[key])) for key in sorted(settings)
-                 if key.startswith(("prefill.", "kernels.")) and key != "prefill.chunk_size")
+                 if key.startswith(("prefill.", "kernels.", "compute.")) and key != "prefill.chunk_size")
 
 
 def _run_once(loaded: Prepared, variant: Variant, prompts, gen: int, memory: PeakMemory) -> Measurement:

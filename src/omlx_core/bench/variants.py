@@ -88,9 +88,10 @@ def variant_settings(home: Path, model_key: str | None, spec: VariantSpec,
 
 
 def prefill_settings(settings: EffectiveSettings) -> dict:
-    """The `prefill.*` keys with value and source, as a report carries them."""
+    """The keys that decide how a model computes (`prefill.*`, `compute.*`), with value and
+    source, as a report carries them."""
     return {key: {"value": r.value, "source": r.source, "where": r.where}
-            for key, r in settings.resolved.items() if key.startswith("prefill.")}
+            for key, r in settings.resolved.items() if key.startswith(("prefill.", "compute."))}
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,9 @@ inputs are computed; decode-sized inputs run mlx-lm's own modules.
   measured to win (CUDA), off elsewhere until measured there.
 - Chunked gated delta: qwen3_5's linear-attention layers prefill with
   `gated_delta.chunked_gated_delta` instead of the per-token recurrence.
+- Float32 quantized compute (`upcast`): on MLX's CPU backend, 16-bit quantized layers
+  multiply in float32, prefill and decode alike (MLX's 16-bit CPU kernel is 10-50× slower).
+  Installed first, as subclasses of MLX's quantized layers, so the dense path wraps them.
 """
 
 from dataclasses import dataclass, field
@@ -24,6 +27,7 @@ import mlx.nn as nn
 
 from omlx_core.memory.peak import peak_extra_bytes
 from omlx_core.prefill.gdn_layer import ChunkedGatedDeltaNet
+from omlx_core.prefill.upcast import rehome, upcast_candidates
 
 
 class DequantizedPrefill(nn.Module):
@@ -63,6 +67,7 @@ class FastPathReport:
     gdn_min_tokens: int | None = None
     reasons: dict = field(default_factory=dict)
 
+    upcast_layers: int = 0
     dense_layer_bytes: int = 0  # measured at install: one call of the largest dense layer
     dense_chunk_bytes: int = 0  # measured at load: a whole prefill chunk, on against off
 
@@ -83,7 +88,8 @@ class FastPathReport:
                                         "reason": self.reasons.get("dense", "")},
                 "chunked_gdn": {"layers": len(self.gdn_layers), "min_tokens": self.gdn_min_tokens,
                                 "calls": sum(layer.calls for layer in self.gdn_layers),
-                                "reason": self.reasons.get("gdn", "")}}
+                                "reason": self.reasons.get("gdn", "")},
+                "float32_quantized": {"layers": self.upcast_layers, "reason": self.reasons.get("upcast", "")}}
 
 
 def install_fast_paths(model, settings) -> FastPathReport:
@@ -91,6 +97,17 @@ def install_fast_paths(model, settings) -> FastPathReport:
     from omlx_core.prefill.split import replace_module  # split.py builds on this module
 
     report = FastPathReport()
+    if upcast_enabled(settings):
+        candidates = upcast_candidates(model)
+        for path, module, cls in candidates:
+            replace_module(model, path, rehome(module, cls))
+        report.upcast_layers = len(candidates)
+        report.reasons["upcast"] = ("16-bit quantized layers multiply in float32 on the CPU backend" if candidates
+                                    else "no 16-bit affine-quantized layers in this model")
+    else:
+        report.reasons["upcast"] = ("off: compute.upcast_quantized is auto and this is not MLX's CPU backend"
+                                    if settings["compute.upcast_quantized"] == "auto"
+                                    else "off: compute.upcast_quantized is off")
     if dense_enabled(settings):
         report.dense_min_tokens = int(settings["prefill.dense_min_tokens"])
         for path, module in list(model.named_modules()):
@@ -118,6 +135,13 @@ def install_fast_paths(model, settings) -> FastPathReport:
     else:
         report.reasons["gdn"] = "off: set prefill.chunked_gdn"
     return report
+
+
+def upcast_enabled(settings) -> bool:
+    from omlx_core.hardware import mlx_backend
+
+    choice = settings["compute.upcast_quantized"]
+    return choice == "on" or (choice == "auto" and mlx_backend() == "cpu")
 
 
 def dense_enabled(settings) -> bool:

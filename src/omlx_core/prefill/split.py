@@ -55,7 +55,7 @@ def rows_of(module, start: int, stop: int) -> nn.Module:
     if isinstance(module, DequantizedPrefill):  # the gpu rows keep the dense prefill path
         return DequantizedPrefill(rows_of(module.quantized, start, stop), module.min_tokens)
     if isinstance(module, nn.QuantizedLinear):
-        part = nn.QuantizedLinear.__new__(nn.QuantizedLinear)
+        part = type(module).__new__(type(module))  # keeps a float32-compute subclass (upcast)
         nn.Module.__init__(part)
         part.group_size, part.bits, part.mode = module.group_size, module.bits, module.mode
         part.weight, part.scales = module.weight[start:stop], module.scales[start:stop]

@@ -194,6 +194,9 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("prefill.dense", "choice", "auto",
             "Dequantize quantized linears to dense for large prefill inputs (parity-keeping); "
             "auto = on where measured to win (CUDA).", choices=("auto", "on", "off")),
+    Setting("compute.upcast_quantized", "choice", "auto",
+            "Multiply 16-bit quantized layers in float32 (parity-keeping; MLX's 16-bit quantized CPU "
+            "kernel is 10-50x slower); auto = on on MLX's CPU backend.", choices=("auto", "on", "off")),
     Setting("prefill.dense_min_tokens", "count", 512,
             "Inputs of at least this many tokens take the dequantize-to-dense path.", minimum=1),
     Setting("prefill.chunked_gdn", "bool", True,
