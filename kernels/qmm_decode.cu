@@ -1,0 +1,315 @@
+// Quantized matmul for decode-sized inputs (1..64 tokens): out[M, N] = x[M, K] @ W^T,
+// W in MLX's affine layout: packed uint32 rows (BITS = 4 or 8, low bits first), one scale
+// and one bias per GS consecutive inputs (w = scale * q + bias), GS = 32, 64 or 128.
+//
+// Why it is fast at small M: every weight byte is read once per call with 16-byte
+// streaming loads, dequantized in registers, and used for all M rows at once on the
+// tensor cores (mma.sync m16n8k16). The weight is the mma's A operand (16 output channels
+// x 16 inputs), the activations its B operand (16 inputs x 8 tokens), so the only padding
+// is tokens up to a multiple of 8. Inputs are permuted inside each 32-input chunk so that a
+// thread's A fragment is a run of packed values it loaded itself: the dot product does not
+// care about the order of k, as long as A and B use the same one. The activations of a
+// CTA's K slice are staged once in shared memory in that permuted order (one
+// conflict-free 16-byte read per B fragment). The K dimension is split across the warps of
+// a CTA (reduced in shared memory, in a fixed order) and across CTAs (fp32 partials; the
+// last CTA of a row tile to finish adds them in a fixed order and resets its counter):
+// enough CTAs stream the weights to reach HBM bandwidth even when N is small.
+//
+// This file is the `header` of an mx.fast.cuda_kernel; the kernel body only calls
+// qmm_decode<...>() (see omlx_core/kernels/qmm_decode.py).
+
+namespace omlx_qmm {
+
+template <typename T> struct Pair;
+template <> struct Pair<__nv_bfloat16> {
+  using type = __nv_bfloat162;
+  static constexpr uint32_t magic = 0x43004300u;  // (128, 128): 128 + q for a 4-bit q
+};
+template <> struct Pair<__half> {
+  using type = __half2;
+  static constexpr uint32_t magic = 0x64006400u;  // (1024, 1024): 1024 + q
+};
+
+__device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
+__device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
+template <typename T> __device__ __forceinline__ T from_float(float v);
+template <> __device__ __forceinline__ __nv_bfloat16 from_float(float v) { return __float2bfloat16_rn(v); }
+template <> __device__ __forceinline__ __half from_float(float v) { return __float2half_rn(v); }
+
+template <typename T2> __device__ __forceinline__ uint32_t bits_of(T2 v) {
+  return *reinterpret_cast<uint32_t*>(&v);
+}
+template <typename T2> __device__ __forceinline__ T2 pair_of(uint32_t v) {
+  return *reinterpret_cast<T2*>(&v);
+}
+
+__device__ __forceinline__ uint32_t word_of(const uint4& v, int i) {
+  return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
+}
+
+// 16 bytes of weights, read once: no L1 allocation, so the activations stay cached.
+__device__ __forceinline__ uint4 load_stream(const uint32_t* p) {
+  uint4 v;
+  asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+      : "l"(p));
+  return v;
+}
+
+// Two 4-bit values (nibbles `shift/4` and `shift/4 + 4` of `word`) as scale * q + bias,
+// in the activation type: the nibbles land in the mantissa of `magic`, subtracting it is
+// exact, and the fused multiply-add rounds once.
+template <typename T>
+__device__ __forceinline__ uint32_t dequant4(uint32_t word, int shift, uint32_t scale2, uint32_t bias2) {
+  using T2 = typename Pair<T>::type;
+  uint32_t q = ((word >> shift) & 0x000F000Fu) | Pair<T>::magic;
+  T2 v = __hsub2(pair_of<T2>(q), pair_of<T2>(Pair<T>::magic));
+  return bits_of(__hfma2(v, pair_of<T2>(scale2), pair_of<T2>(bias2)));
+}
+
+// Byte `i` of `word` as a float: it lands in the mantissa of 2^23, subtracting is exact.
+__device__ __forceinline__ float byte_value(uint32_t word, int i) {
+  return __uint_as_float(__byte_perm(word, 0x4B000000u, 0x7540 + i)) - 8388608.0f;
+}
+
+template <typename T> __device__ __forceinline__ uint32_t pack(float lo, float hi);
+template <> __device__ __forceinline__ uint32_t pack<__nv_bfloat16>(float lo, float hi) {
+  return bits_of(__floats2bfloat162_rn(lo, hi));
+}
+template <> __device__ __forceinline__ uint32_t pack<__half>(float lo, float hi) {
+  return bits_of(__floats2half2_rn(lo, hi));
+}
+
+template <typename T>
+__device__ __forceinline__ void mma(float* c, const uint32_t* a, uint32_t b0, uint32_t b1);
+template <>
+__device__ __forceinline__ void mma<__nv_bfloat16>(float* c, const uint32_t* a, uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
+      "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+template <>
+__device__ __forceinline__ void mma<__half>(float* c, const uint32_t* a, uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, "
+      "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// Template parameters:
+//   NT  token tiles of 8 (M <= 8 * NT)      R   16-row tiles per warp
+//   WR  warps along N in a CTA              WK  warps along K in a CTA
+//   U   128-input blocks loaded per round   KC  most inputs of one CTA's K slice (smem)
+// Launch: blockDim.x = 32 * WR * WK; gridDim.x = ceil(N / (16 * R * WR)); gridDim.y = the
+// split of K across CTAs (every slice at most KC inputs); dynamic shared memory
+// max(8 * NT * KC * 2, 8 * NT * (16 * R * WR + 4) * 4) bytes. K is a multiple of 32 and
+// of GS. `locks` holds gridDim.x zeros and is left zero; `partial` holds
+// gridDim.y * M * N floats when gridDim.y > 1.
+template <typename T, int BITS, int GS, int NT, int R, int WR, int WK, int U, int KC>
+__device__ __forceinline__ void qmm_decode(
+    const T* __restrict__ x, const uint32_t* __restrict__ w, const T* __restrict__ scales,
+    const T* __restrict__ biases, const int32_t* locks, T* __restrict__ out,
+    float* __restrict__ partial, int M, int K, int N) {
+  static_assert(BITS == 4 || BITS == 8, "4 or 8 bits");
+  static_assert(GS == 32 || GS == 64 || GS == 128, "group size 32, 64 or 128");
+  static_assert(KC % 128 == 0, "K slices are whole 128-input blocks");
+  constexpr int BN = 16 * R * WR;  // output channels of one CTA
+  constexpr int BNP = BN + 4;      // padded row of the reduction buffer (no bank conflicts)
+  constexpr int V = BITS / 4;      // 16-byte loads per thread, row and block (32 inputs)
+  extern __shared__ uint4 smem[];
+  __shared__ int last_arrival;
+
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int g = lane >> 2, t = lane & 3;  // mma fragment coordinates
+  const int wr = warp % WR, wk = warp / WR;
+  const int splits = gridDim.y, split = blockIdx.y;
+  const int blocks = (K + 127) / 128;
+  const int per_cta = (blocks + splits - 1) / splits;
+  const int first = split * per_cta;
+  const int own = max(0, min(per_cta, blocks - first));  // this CTA's 128-input blocks
+  const int mine = own > wk ? (own - wk + WK - 1) / WK : 0;  // this warp's: wk, wk + WK, ...
+  const int row0 = blockIdx.x * BN + wr * 16 * R;
+  const size_t row_words = (size_t)K * BITS / 32;
+  const int groups = K / GS;
+
+  uint4 wv[U][R][2][V];
+  T sc[U][R][2], bi[U][R][2];
+
+  auto load = [&](int round) {
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int i = round + u;
+      const int k = (first + wk + WK * i) * 128 + t * 32;  // this thread's 32 inputs
+      const bool valid = i < mine && k < K;
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int row = row0 + r * 16 + g + 8 * h;
+          if (valid && row < N) {
+            const uint32_t* src = w + row * row_words + k * BITS / 32;
+#pragma unroll
+            for (int v = 0; v < V; ++v) wv[u][r][h][v] = load_stream(src + 4 * v);
+            sc[u][r][h] = scales[(size_t)row * groups + k / GS];
+            bi[u][r][h] = biases[(size_t)row * groups + k / GS];
+          } else {
+#pragma unroll
+            for (int v = 0; v < V; ++v) wv[u][r][h][v] = make_uint4(0, 0, 0, 0);
+            sc[u][r][h] = from_float<T>(0.0f);
+            bi[u][r][h] = from_float<T>(0.0f);
+          }
+        }
+      }
+    }
+  };
+
+  load(0);  // the first weights are in flight while the activations are staged
+
+  // Stage x[:, slice] as [block][chunk j][token tile][token][thread t] of 16-byte units,
+  // the 8 inputs of each unit in the order (0, 4, 1, 5, 2, 6, 3, 7).
+  {
+    const int chunks = per_cta * 16;  // 8-input units per token row
+    const int k0 = first * 128;
+    for (int idx = threadIdx.x; idx < NT * 8 * chunks; idx += blockDim.x) {
+      const int m = idx / chunks, c = idx - m * chunks;
+      const int k = k0 + c * 8;
+      uint4 v = make_uint4(0, 0, 0, 0);
+      if (m < M && k < K) v = *reinterpret_cast<const uint4*>(x + (size_t)m * K + k);
+      uint4 p;
+      p.x = __byte_perm(v.x, v.z, 0x5410);
+      p.y = __byte_perm(v.x, v.z, 0x7632);
+      p.z = __byte_perm(v.y, v.w, 0x5410);
+      p.w = __byte_perm(v.y, v.w, 0x7632);
+      const int bl = c >> 4, tt = (c >> 2) & 3, j = c & 3;
+      smem[(((bl * 4 + j) * NT + (m >> 3)) * 8 + (m & 7)) * 4 + tt] = p;
+    }
+  }
+  __syncthreads();
+
+  float acc[R][NT][4];
+#pragma unroll
+  for (int r = 0; r < R; ++r)
+#pragma unroll
+    for (int n = 0; n < NT; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[r][n][e] = 0.0f;
+
+  using T2 = typename Pair<T>::type;
+  for (int round = 0; round < mine; round += U) {
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      if (round + u >= mine) break;
+      const int bl = wk + WK * (round + u);  // block within the CTA's slice
+      uint32_t s2[R][2], b2[R][2];
+      float sf[R][2], bf[R][2];
+#pragma unroll
+      for (int r = 0; r < R; ++r)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          s2[r][h] = bits_of(T2(sc[u][r][h], sc[u][r][h]));
+          b2[r][h] = bits_of(T2(bi[u][r][h], bi[u][r][h]));
+          sf[r][h] = to_float(sc[u][r][h]);
+          bf[r][h] = to_float(bi[u][r][h]);
+        }
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {  // 8 inputs per thread, two mma k-steps
+        uint4 b[NT];
+#pragma unroll
+        for (int n = 0; n < NT; ++n) b[n] = smem[((bl * 4 + j) * NT + n) * 32 + lane];
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+          uint32_t a0[4], a1[4];  // A fragments of k-steps 2j and 2j + 1
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            if constexpr (BITS == 4) {
+              const uint32_t word = word_of(wv[u][r][h][0], j);
+              a0[h] = dequant4<T>(word, 0, s2[r][h], b2[r][h]);
+              a0[2 + h] = dequant4<T>(word, 4, s2[r][h], b2[r][h]);
+              a1[h] = dequant4<T>(word, 8, s2[r][h], b2[r][h]);
+              a1[2 + h] = dequant4<T>(word, 12, s2[r][h], b2[r][h]);
+            } else {
+              const uint32_t lo = word_of(wv[u][r][h][j >> 1], (2 * j) & 3);
+              const uint32_t hi = word_of(wv[u][r][h][j >> 1], (2 * j + 1) & 3);
+              float q[8];
+#pragma unroll
+              for (int e = 0; e < 4; ++e) {
+                q[e] = fmaf(byte_value(lo, e), sf[r][h], bf[r][h]);
+                q[4 + e] = fmaf(byte_value(hi, e), sf[r][h], bf[r][h]);
+              }
+              a0[h] = pack<T>(q[0], q[4]);
+              a0[2 + h] = pack<T>(q[1], q[5]);
+              a1[h] = pack<T>(q[2], q[6]);
+              a1[2 + h] = pack<T>(q[3], q[7]);
+            }
+          }
+#pragma unroll
+          for (int n = 0; n < NT; ++n) {
+            mma<T>(acc[r][n], a0, b[n].x, b[n].y);
+            mma<T>(acc[r][n], a1, b[n].z, b[n].w);
+          }
+        }
+      }
+    }
+    if (round + U < mine) load(round + U);
+  }
+
+  // Reduce the K-warps in a fixed order: [token][channel] floats in shared memory.
+  __syncthreads();
+  float* red = reinterpret_cast<float*>(smem);
+  for (int step = 0; step < WK; ++step) {
+    if (wk == step) {
+#pragma unroll
+      for (int r = 0; r < R; ++r)
+#pragma unroll
+        for (int n = 0; n < NT; ++n)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int channel = wr * 16 * R + r * 16 + g + 8 * (e >> 1);
+            const int token = n * 8 + 2 * t + (e & 1);
+            float* p = red + token * BNP + channel;
+            *p = step == 0 ? acc[r][n][e] : *p + acc[r][n][e];
+          }
+    }
+    __syncthreads();
+  }
+
+  const int col0 = blockIdx.x * BN;
+  const int width = min(BN, N - col0);
+  if (splits == 1) {
+    for (int idx = threadIdx.x; idx < M * BN; idx += blockDim.x) {
+      const int m = idx / BN, c = idx - m * BN;
+      if (c < width) out[(size_t)m * N + col0 + c] = from_float<T>(red[m * BNP + c]);
+    }
+    return;
+  }
+
+  // Split K across CTAs: publish this slice's sums; the last CTA of the row tile adds all
+  // slices in order (so the result does not depend on which CTA finished last).
+  for (int idx = threadIdx.x; idx < M * BN; idx += blockDim.x) {
+    const int m = idx / BN, c = idx - m * BN;
+    if (c < width) partial[((size_t)split * M + m) * N + col0 + c] = red[m * BNP + c];
+  }
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    const int before = atomicAdd(const_cast<int32_t*>(locks) + blockIdx.x, 1);
+    last_arrival = before == splits - 1;
+  }
+  __syncthreads();
+  if (!last_arrival) return;
+  __threadfence();
+  for (int idx = threadIdx.x; idx < M * BN; idx += blockDim.x) {
+    const int m = idx / BN, c = idx - m * BN;
+    if (c < width) {
+      float sum = 0.0f;
+      for (int s = 0; s < splits; ++s) sum += __ldcg(partial + ((size_t)s * M + m) * N + col0 + c);
+      out[(size_t)m * N + col0 + c] = from_float<T>(sum);
+    }
+  }
+  if (threadIdx.x == 0) atomicExch(const_cast<int32_t*>(locks) + blockIdx.x, 0);
+}
+
+}  // namespace omlx_qmm

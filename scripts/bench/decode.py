@@ -1,0 +1,606 @@
+#!/usr/bin/env python
+"""Decode speed: the quantized matmul at 1..64 tokens, and the whole decode step.
+
+Why: at decode sizes MLX's quantized matmul runs far below memory bandwidth, so batching
+barely helps; omlx's `qmm_decode` kernel (kernels/qmm_decode.cu) and the dense-copy path
+(decode.dense_copy) are meant to fix that. This measures, in one run:
+
+  exact    the kernel against mx.quantized_matmul: 4/8 bits x group 32/64/128, bf16 (and
+           fp16), odd N, K not a multiple of the 128-input tile, 1..64 tokens; the check
+           is max |ours - mlx| / max |mlx| <= 1/128 (two bf16 roundings of the largest output)
+  greedy   64-token greedy decode of tiny llama and qwen3_5 models, stock against the
+           kernel installed: identical tokens
+  layers   per layer, chained in one graph (what a decode step sees, CPU launch cost
+           included): 4096x4096, 4096x12288 and 12288x4096 (in x out) at M = 1..64 tokens:
+           MLX qmm, ours, dense bf16; 12288x4096 is measured as (up, down) pairs minus up
+  kernels  the same layers' GPU time alone, per kernel, under Nsight Compute (caches
+           flushed before each kernel, so weights come from HBM), with a sweep of the
+           kernel's launch shapes; skipped with the reason where ncu is absent
+  model    a generated Qwen3-8B-shape 4-bit g64 model: one decode step at batch 1, 8, 32
+           after a 1k-token context: stock, kernel, dense copy
+
+    python scripts/bench/decode.py [--parts exact,greedy,layers,kernels,model] [--tokens 1,2,4,8,16,32,64]
+        [--matmul kernel|dense] [--repeats 5] [--workdir DIR] [--save FILE] [--json]
+
+`--matmul dense` runs exact and greedy with the dense-copy arithmetic instead of the
+kernel (a check of the harness on machines without CUDA); with the kernel unavailable
+the script refuses. Results: stdout (summary, or one JSON document with --json);
+`--save FILE` also writes the JSON after every part.
+"""
+
+import argparse
+import csv
+import glob
+import json
+import math
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from functools import lru_cache
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+import mlx.core as mx  # noqa: E402
+
+from omlx_core.kernels import qmm_decode  # noqa: E402
+
+PARTS = ("exact", "greedy", "layers", "kernels", "model")
+TOKENS = (1, 2, 4, 8, 16, 32, 64)
+LAYERS = ((4096, 4096), (4096, 12288), (12288, 4096))  # (in, out)
+EXACT_TOKENS = (1, 3, 8, 9, 16, 17, 32, 33, 64)
+TOLERANCE = 1 / 128
+L2_BYTES = 60 * 2**20
+BITS, GROUP = 4, 64  # the timed format: the benchmark model's
+
+
+def log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def quantized_layer(k: int, n: int, bits: int, group: int, dtype=mx.bfloat16, seed: int = 0):
+    key = mx.random.key(seed)
+    w = 0.02 * mx.random.normal((n, k), key=key)
+    wq, scales, biases = mx.quantize(w.astype(dtype), group_size=group, bits=bits)
+    mx.eval(wq, scales, biases)
+    return wq, scales, biases
+
+
+def layer_bytes(layer) -> int:
+    return sum(a.nbytes for a in layer)
+
+
+def dense_matmul(x, wq, scales, biases, group_size, bits, **_):
+    """The dense-copy path's arithmetic: x @ dequantize(w).T in the scales' dtype."""
+    w = mx.dequantize(wq, scales, biases, group_size=group_size, bits=bits, dtype=scales.dtype)
+    return x @ w.T
+
+
+def matmul_of(name: str):
+    if name == "dense":
+        return dense_matmul
+    if why := qmm_decode.kernel_available():
+        raise SystemExit(f"decode.py: the qmm_decode kernel is not available here: {why}. Run it on the "
+                         "GPU machine, or pass --matmul dense to check the harness with the dense path.")
+    return qmm_decode.quantized_matmul_decode
+
+
+# -- exact ---------------------------------------------------------------------------------
+
+def exact_cases(tokens=EXACT_TOKENS):
+    """(bits, group, dtype, k, n): odd N, N below one CTA tile, K not a multiple of 128."""
+    odd_k = {32: 1056, 64: 1088, 128: 1152}
+    for bits in (4, 8):
+        for group in (32, 64, 128):
+            for k, n in ((odd_k[group], 1001), (odd_k[group], 17), (4096, 4096)):
+                yield bits, group, mx.bfloat16, k, n, tokens
+    for bits, group in ((4, 64), (8, 128)):
+        yield bits, group, mx.float16, odd_k[group], 1001, tokens
+
+
+def compare(ours: mx.array, ref: mx.array, truth: mx.array) -> dict:
+    """Differences relative to the largest reference output. `ok`: ours is within bf16
+    rounding (TOLERANCE) of MLX's quantized_matmul, or of it plus MLX's own distance from
+    the fp32 result (MLX accumulates 4-bit products in bf16 on some paths), and never
+    farther from the fp32 result than MLX is plus that rounding."""
+    ours, ref = ours.astype(mx.float32), ref.astype(mx.float32)
+    scale = mx.max(mx.abs(ref)).item() or 1.0
+    rms = mx.sqrt(mx.mean(ref * ref)).item() or 1.0
+    diff = mx.max(mx.abs(ours - ref)).item()
+    ours_err = mx.max(mx.abs(ours - truth)).item() / scale
+    mlx_err = mx.max(mx.abs(ref - truth)).item() / scale
+    row = {"max_abs": diff, "rel_max": diff / scale, "rel_rms": diff / rms,
+           "ours_vs_fp32": ours_err, "mlx_vs_fp32": mlx_err, "strict": diff / scale <= TOLERANCE}
+    row["ok"] = bool(ours.shape == ref.shape and diff / scale <= TOLERANCE + mlx_err
+                     and ours_err <= mlx_err + TOLERANCE)
+    return row
+
+
+def run_exact(matmul, cases=None) -> dict:
+    rows = []
+    for bits, group, dtype, k, n, counts in cases or exact_cases():
+        wq, scales, biases = quantized_layer(k, n, bits, group, dtype, seed=bits * 1000 + group + n)
+        w32 = mx.dequantize(wq, scales, biases, group_size=group, bits=bits, dtype=mx.float32)
+        for m in counts:
+            x = mx.random.normal((m, k), key=mx.random.key(m)).astype(dtype)
+            ref = mx.quantized_matmul(x, wq, scales, biases, transpose=True, group_size=group, bits=bits)
+            ours = matmul(x, wq, scales, biases, group, bits)
+            row = {"bits": bits, "group": group, "dtype": str(dtype).split(".")[-1], "k": k, "n": n, "m": m,
+                   **compare(ours, ref, x.astype(mx.float32) @ w32.T)}
+            rows.append(row)
+    sweep = matmul is qmm_decode.quantized_matmul_decode  # the launch shapes the kernels part times
+    for config in {c for m in (1, 9, 17, 33) for c in sweep_configs(m)} if sweep else ():
+        for ctas in CTAS:
+            for k, n in ((1088, 1001), (4096, 4096)):
+                wq, scales, biases = quantized_layer(k, n, 4, 64, seed=n)
+                w32 = mx.dequantize(wq, scales, biases, group_size=64, bits=4, dtype=mx.float32)
+                for m in {1, 8 * config.tiles - 5, 8 * config.tiles}:
+                    x = mx.random.normal((m, k), key=mx.random.key(m)).astype(mx.bfloat16)
+                    ref = mx.quantized_matmul(x, wq, scales, biases, transpose=True, group_size=64, bits=4)
+                    ours = matmul(x, wq, scales, biases, 64, 4, config=config, ctas=ctas)
+                    row = {"bits": 4, "group": 64, "dtype": "bfloat16", "k": k, "n": n, "m": m,
+                           "config": config.__dict__ | {"ctas": ctas}, **compare(ours, ref, x.astype(mx.float32) @ w32.T)}
+                    rows.append(row)
+    formats = {}
+    for row in rows:
+        key = f"{row['dtype']}/{row['bits']}bit/g{row['group']}"
+        formats[key] = formats.get(key, True) and row["ok"]
+    worst = max(rows, key=lambda r: r["rel_max"])
+    return {"tolerance": TOLERANCE, "cases": len(rows), "failed": sum(not r["ok"] for r in rows),
+            "strict_failed": sum(not r["strict"] for r in rows),
+            "formats": formats, "worst": worst, "rows": rows}
+
+
+# -- greedy --------------------------------------------------------------------------------
+
+def greedy_tokens(model, prompt: mx.array, count: int) -> list[int]:
+    from mlx_lm.generate import generate_step
+
+    return [int(token) for token, _ in generate_step(prompt, model, max_tokens=count)]
+
+
+def run_greedy(matmul_name: str, workdir: Path, count: int = 64) -> list[dict]:
+    from mlx_lm.utils import load
+
+    from omlx_core.decode.dense_copy import install_dense_copy
+    from omlx_core.models.testing import build_tiny_model
+
+    results = []
+    for arch, bits, group in (("llama", 4, 32), ("llama", 8, 64), ("qwen3_5", 4, 64)):
+        path = workdir / f"greedy-{arch}-{bits}bit-g{group}"
+        if not (path / "config.json").is_file():
+            build_tiny_model(arch, path, quantized=True, bits=bits, group_size=group)
+        model, _ = load(str(path))
+        prompt = mx.array([5, 17, 42, 99, 7, 250, 31, 64, 128, 3, 77, 11], dtype=mx.int32)
+        stock = greedy_tokens(model, prompt, count)
+        if matmul_name == "dense":
+            layers = install_dense_copy(model, {"decode.dense_copy": True}).layers
+        else:
+            paths = qmm_decode.install(model, formats=qmm_decode.ALL_FORMATS)
+            modules = dict(model.named_modules())
+            layers = [modules[p] for p in paths]
+        ours = greedy_tokens(model, prompt, count)
+        first = next((i for i, (a, b) in enumerate(zip(stock, ours)) if a != b), None)
+        results.append({"arch": arch, "bits": bits, "group": group, "tokens": count, "identical": stock == ours,
+                        "first_difference": first, "layers": len(layers),
+                        "kernel_calls": sum(layer.calls for layer in layers)})
+        log(f"greedy {arch} {bits}-bit g{group}: identical={stock == ours} "
+            f"({results[-1]['kernel_calls']} calls on our path)")
+    return results
+
+
+# -- timing helpers ------------------------------------------------------------------------
+
+def chain_seconds(step, x0: mx.array, calls: int, repeats: int) -> float:
+    """Seconds per call of `calls` dependent calls evaluated as one graph (median)."""
+    def once() -> float:
+        mx.synchronize()
+        start = time.perf_counter()
+        y = x0
+        for i in range(calls):
+            y = step(i, y)
+        mx.eval(y)
+        mx.synchronize()
+        return (time.perf_counter() - start) / calls
+
+    once()  # compile and warm up
+    return statistics.median(once() for _ in range(repeats))
+
+
+def prefix(y: mx.array, k: int) -> mx.array:
+    """A contiguous [M, k] view of y's first M*k values: the next call depends on y."""
+    m = y.shape[0]
+    return y.reshape(-1)[: m * k].reshape(m, k)
+
+
+def make_layers(k: int, n: int, budget: int = 4 * L2_BYTES):
+    """Enough distinct layers that their weights are several times the L2 cache."""
+    first = quantized_layer(k, n, BITS, GROUP)
+    count = max(3, math.ceil(budget / layer_bytes(first)))
+    layers = [first] + [quantized_layer(k, n, BITS, GROUP, seed=i) for i in range(1, count)]
+    dense_count = max(2, math.ceil(budget / (k * n * 2)))
+    dense = [mx.dequantize(*layers[i % count], group_size=GROUP, bits=BITS) for i in range(dense_count)]
+    mx.eval(dense)
+    locks = [mx.zeros((qmm_decode.lock_count(n),), dtype=mx.int32) for _ in range(count)]
+    mx.eval(locks)
+    return layers, dense, locks
+
+
+def variants(layers, dense, locks):
+    def mlx(i, x):
+        wq, s, b = layers[i % len(layers)]
+        return mx.quantized_matmul(x, wq, s, b, transpose=True, group_size=GROUP, bits=BITS)
+
+    def ours(i, x):
+        wq, s, b = layers[i % len(layers)]
+        return qmm_decode.quantized_matmul_decode(x, wq, s, b, GROUP, BITS, locks=locks[i % len(layers)])
+
+    def bf16(i, x):
+        return x @ dense[i % len(dense)].T
+
+    return {"mlx_qmm": mlx, "ours": ours, "dense_bf16": bf16}
+
+
+def bandwidth(nbytes: int, seconds: float) -> float:
+    return nbytes / seconds / 1e9 if seconds > 0 else 0.0
+
+
+# -- layers (chained, wall clock) ----------------------------------------------------------
+
+def run_layers(tokens, repeats: int, calls: int = 48) -> dict:
+    up_k, up_n = LAYERS[1]
+    built = {shape: make_layers(*shape) for shape in LAYERS}
+    floor = {}
+    rows = []
+    for m in tokens:
+        x_small = mx.random.normal((m, 4096)).astype(mx.bfloat16)
+        floor[m] = chain_seconds(lambda i, x: x + 1, x_small, calls, repeats)
+        timed = {}
+        for k, n in LAYERS[:2]:
+            layers, dense, locks = built[(k, n)]
+            x = mx.random.normal((m, k)).astype(mx.bfloat16)
+            for name, step in variants(layers, dense, locks).items():
+                chained = step if n == k else (lambda s: lambda i, y: s(i, prefix(y, k) if y.shape[1] != k else y))(step)
+                timed[(k, n, name)] = chain_seconds(chained, x, calls, repeats)
+        x = mx.random.normal((m, up_k)).astype(mx.bfloat16)
+        up = variants(*built[LAYERS[1]])
+        down = variants(*built[LAYERS[2]])
+        for name in up:
+            pair = (lambda u, d: lambda i, y: d(i, u(i, y)))(up[name], down[name])
+            timed[(*LAYERS[2], name)] = max(0.0, chain_seconds(pair, x, calls // 2, repeats)
+                                             - timed[(up_k, up_n, name)])
+        for (k, n, name), seconds in timed.items():
+            nbytes = k * n * 2 if name == "dense_bf16" else layer_bytes(built[(k, n)][0][0])
+            rows.append({"k": k, "n": n, "m": m, "variant": name, "us": seconds * 1e6,
+                         "gbps": bandwidth(nbytes, seconds), "derived": (k, n) == LAYERS[2]})
+        log(f"layers M={m}: " + ", ".join(f"{k}x{n} {name} {s * 1e6:.1f}us" for (k, n, name), s in timed.items()))
+    return {"method": f"{calls} dependent calls per graph, median of {repeats}; 12288x4096 = (up, down) "
+                      "pair minus up", "floor_us": {str(m): s * 1e6 for m, s in floor.items()}, "rows": rows}
+
+
+# -- kernels (GPU time per kernel under ncu) ------------------------------------------------
+
+SWEEP = {
+    1: [(1, 1, 8, 4, 4096), (1, 1, 4, 4, 4096), (1, 2, 4, 4, 2048), (2, 1, 4, 2, 4096)],
+    2: [(1, 2, 4, 4, 2048), (1, 1, 8, 4, 2048), (2, 1, 4, 2, 2048), (1, 4, 2, 4, 1024)],
+    4: [(2, 2, 2, 2, 1024), (2, 4, 1, 2, 512), (1, 4, 2, 4, 1024), (1, 2, 4, 4, 1024)],
+    8: [(2, 4, 1, 2, 512), (1, 4, 2, 4, 512), (2, 2, 2, 2, 512), (1, 8, 1, 4, 512)],
+}
+CTAS = (qmm_decode.SMS, qmm_decode.SMS * 2, qmm_decode.SMS * 4)
+
+
+def sweep_configs(m: int) -> list:
+    tiles = qmm_decode.tiles_for(m)
+    return [qmm_decode.Config(tiles, r, wn, wk, u, kc) for r, wn, wk, u, kc in SWEEP[tiles]]
+
+
+def kernel_blocks(tokens) -> list[dict]:
+    blocks = []
+    for k, n in LAYERS:
+        for m in tokens:
+            blocks.append({"k": k, "n": n, "m": m, "variant": "mlx_qmm"})
+            blocks.append({"k": k, "n": n, "m": m, "variant": "dense_bf16"})
+            for config in sweep_configs(m):
+                for ctas in CTAS:
+                    blocks.append({"k": k, "n": n, "m": m, "variant": "ours", "config": config.__dict__ | {"ctas": ctas}})
+    return blocks
+
+
+def build_blocks(tokens, calls: int):
+    built = {}
+    for k, n in LAYERS:
+        layers = [quantized_layer(k, n, BITS, GROUP, seed=i) for i in range(calls)]
+        dense = [mx.dequantize(*layer, group_size=GROUP, bits=BITS) for layer in layers]
+        locks = [mx.zeros((qmm_decode.lock_count(n),), dtype=mx.int32) for _ in layers]
+        xs = {m: mx.random.normal((m, k)).astype(mx.bfloat16) for m in tokens}
+        mx.eval(dense, locks, list(xs.values()))
+        built[(k, n)] = (layers, dense, locks, xs)
+    return built
+
+
+def compile_blocks(tokens, calls: int = 3) -> None:
+    built = build_blocks(tokens, calls)
+    for block in kernel_blocks(tokens):
+        run_block(block, built, 1)
+    marker_kernel()
+    mx.synchronize()
+
+
+def marker_kernel():
+    kernel = _marker()
+    one = mx.zeros((1,), dtype=mx.float32)
+    return mx.eval(kernel(inputs=[one], output_shapes=[(1,)], output_dtypes=[mx.float32], grid=(1, 1, 1),
+                          threadgroup=(1, 1, 1))[0])
+
+
+@lru_cache(maxsize=1)
+def _marker():
+    return mx.fast.cuda_kernel("omlx_bench_marker", ["x"], ["out"], "out[0] = x[0];")
+
+
+def kernels_child(tokens, blocks_file: Path, calls: int = 3) -> None:
+    """Run every block after a marker kernel (ncu's output is split at the markers)."""
+    blocks = kernel_blocks(tokens)
+    built = build_blocks(tokens, calls)
+    mx.synchronize()
+    for block in blocks:
+        marker_kernel()
+        mx.synchronize()
+        run_block(block, built, calls)
+        mx.synchronize()
+    blocks_file.write_text(json.dumps({"blocks": blocks, "calls": calls}))
+
+
+def run_block(block: dict, built, calls: int) -> None:
+    layers, dense, locks, xs = built[(block["k"], block["n"])]
+    x = xs[block["m"]]
+    outs = []
+    for i in range(calls):
+        wq, s, b = layers[i]
+        if block["variant"] == "mlx_qmm":
+            outs.append(mx.quantized_matmul(x, wq, s, b, transpose=True, group_size=GROUP, bits=BITS))
+        elif block["variant"] == "dense_bf16":
+            outs.append(x @ dense[i].T)
+        else:
+            config = qmm_decode.Config(**block["config"])
+            outs.append(qmm_decode.quantized_matmul_decode(x, wq, s, b, GROUP, BITS, locks=locks[i], config=config))
+        mx.eval(outs[-1])  # one call at a time: the kernels of a block never overlap
+
+
+NS = {"nsecond": 1.0, "ns": 1.0, "usecond": 1e3, "us": 1e3, "msecond": 1e6, "ms": 1e6, "second": 1e9, "s": 1e9}
+
+
+def run_kernels(tokens, timeout: float = 240) -> dict:
+    ncu = shutil.which("ncu") or next(iter(sorted(glob.glob("/usr/local/cuda*/bin/ncu"))
+                                           + sorted(glob.glob("/opt/nvidia/nsight-compute*/ncu"))), None)
+    if ncu is None:
+        return {"skipped": "Nsight Compute (ncu) not found: kernel GPU times not measured"}
+    compile_blocks(tokens)  # the child finds every kernel in MLX's compiled-kernel cache
+    with tempfile.TemporaryDirectory() as tmp:
+        blocks_file, report = Path(tmp) / "blocks.json", Path(tmp) / "ncu.csv"
+        command = [ncu, "--clock-control", "none", "--metrics", "gpu__time_duration.sum", "--csv",
+                   "--log-file", str(report), sys.executable, __file__, "--kernels-child", str(blocks_file),
+                   "--tokens", ",".join(map(str, tokens))]
+        start = time.perf_counter()
+        try:
+            done = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return {"skipped": f"ncu run took more than {timeout} s"}
+        if done.returncode != 0 or not blocks_file.is_file():
+            return {"skipped": f"ncu run failed (exit {done.returncode}): {(done.stderr or done.stdout)[-800:]}"}
+        plan = json.loads(blocks_file.read_text())
+        times: list[list[float]] = []
+        with open(report, newline="") as handle:
+            lines = [line for line in handle if line.startswith('"')]
+        for row in csv.DictReader(lines):
+            if row.get("Metric Name") != "gpu__time_duration.sum":
+                continue
+            name = row.get("Kernel Name", "")
+            value = float(row["Metric Value"].replace(",", "")) * NS.get(row.get("Metric Unit", "ns"), 1.0)
+            if "omlx_bench_marker" in name:
+                times.append([])
+            elif times:
+                times[-1].append(value)
+        elapsed = time.perf_counter() - start
+    if len(times) != len(plan["blocks"]):
+        return {"skipped": f"ncu gave {len(times)} marked blocks for {len(plan['blocks'])} planned"}
+    rows = []
+    for block, kernels in zip(plan["blocks"], times):
+        seconds = sum(kernels) / plan["calls"] / 1e9
+        k, n = block["k"], block["n"]
+        nbytes = k * n * 2 if block["variant"] == "dense_bf16" else quantized_bytes(k, n)
+        rows.append({**block, "us": seconds * 1e6, "gbps": bandwidth(nbytes, seconds),
+                     "kernels_per_call": len(kernels) / plan["calls"]})
+    return {"method": "ncu gpu__time_duration, caches flushed before each kernel, mean of "
+                      f"{plan['calls']} calls on distinct weights", "ncu_seconds": round(elapsed, 1),
+            "rows": rows, "best": best_configs(rows)}
+
+
+def quantized_bytes(k: int, n: int) -> int:
+    return n * k * BITS // 8 + 2 * n * (k // GROUP) * 2
+
+
+def best_configs(rows: list[dict]) -> list[dict]:
+    best = {}
+    for row in rows:
+        key = (row["k"], row["n"], row["m"])
+        if row["variant"] == "ours" and (key not in best or row["us"] < best[key]["us"]):
+            best[key] = row
+    return list(best.values())
+
+
+# -- model (whole decode step) -------------------------------------------------------------
+
+def decode_step_seconds(model, cache, batch: int, steps: int, repeats: int) -> float:
+    """Median seconds of one greedy decode step at `batch` (the cache is trimmed back)."""
+    token = mx.zeros((batch, 1), dtype=mx.int32)
+    per_step = []
+    for repeat in range(repeats + 1):  # the first compiles and warms up
+        mx.synchronize()
+        start = time.perf_counter()
+        for _ in range(steps):
+            logits = model(token, cache=cache)
+            token = mx.argmax(logits[:, -1:, :], axis=-1).astype(mx.int32)
+            mx.eval(token)
+        mx.synchronize()
+        if repeat:
+            per_step.append((time.perf_counter() - start) / steps)
+        for layer_cache in cache:
+            layer_cache.trim(steps)
+    return statistics.median(per_step)
+
+
+def run_model(workdir: Path, tiny: bool, batches=(1, 8, 32), ctx: int = 1024, steps: int = 8,
+              repeats: int = 3) -> dict:
+    from mlx_lm.models.cache import make_prompt_cache
+    from mlx_lm.utils import load
+
+    from omlx_core.decode.dense_copy import install_dense_copy
+    from prefill_paths import checkpoint  # a sibling bench script: the generated model shapes
+
+    path = checkpoint("dense", workdir, tiny)
+    model, _ = load(str(path))
+    rows = []
+    for batch in batches:
+        cache = make_prompt_cache(model)
+        prompt = mx.random.randint(0, 500, (batch, ctx)).astype(mx.int32)
+        for start in range(0, ctx, 256):
+            model(prompt[:, start:start + 256], cache=cache)
+            mx.eval([c.state for c in cache])
+        row = {"batch": batch, "ctx": ctx}
+        row["stock_ms"] = decode_step_seconds(model, cache, batch, steps, repeats) * 1e3
+        paths = qmm_decode.install(model, formats=qmm_decode.ALL_FORMATS)
+        row["kernel_ms"] = decode_step_seconds(model, cache, batch, steps, repeats) * 1e3
+        row["kernel_layers"] = len(paths)
+        restore(model)
+        copy = install_dense_copy(model, {"decode.dense_copy": True})
+        row["dense_copy_ms"] = decode_step_seconds(model, cache, batch, steps, repeats) * 1e3
+        row["dense_copy_extra_bytes"] = copy.extra_bytes
+        del copy
+        restore(model)
+        for name in ("stock", "kernel", "dense_copy"):
+            row[f"{name}_tps"] = batch / row[f"{name}_ms"] * 1e3
+        rows.append(row)
+        log(f"model batch {batch}: stock {row['stock_ms']:.2f} ms, kernel {row['kernel_ms']:.2f} ms, "
+            f"dense copy {row['dense_copy_ms']:.2f} ms per step")
+        del cache
+        mx.clear_cache()
+    return {"model": str(path), "ctx": ctx, "steps": steps, "repeats": repeats,
+            "method": "greedy steps after a ctx-token prefill, median of repeats", "rows": rows}
+
+
+def restore(model) -> None:
+    """Plain QuantizedLinears (same arrays) back wherever a subclass was installed."""
+    from omlx_core.prefill.split import replace_module
+
+    for path, module in list(model.named_modules()):
+        if qmm_decode.plain(module) is not module:
+            replace_module(model, path, qmm_decode.plain(module))
+
+
+# -- main ----------------------------------------------------------------------------------
+
+def hardware() -> dict:
+    from omlx_core.hardware import kernel_hardware
+
+    return {**kernel_hardware(), "mlx": mx.__version__}
+
+
+def summary(result: dict) -> None:
+    for part in PARTS:
+        if "error" in result.get(part, {}):
+            print(f"{part}: failed: {result[part]['error']}")
+            result.pop(part)
+    if "exact" in result:
+        e = result["exact"]
+        print(f"exact: {e['cases'] - e['failed']}/{e['cases']} within {e['tolerance']:.4f}; worst rel "
+              f"{e['worst']['rel_max']:.2e} ({e['worst']['dtype']} {e['worst']['bits']}-bit g{e['worst']['group']} "
+              f"k={e['worst']['k']} n={e['worst']['n']} m={e['worst']['m']})")
+    for g in result.get("greedy", []):
+        print(f"greedy {g['arch']} {g['bits']}-bit g{g['group']}: identical={g['identical']} "
+              f"({g['kernel_calls']} calls)")
+    if "layers" in result:
+        print(f"layers (chained, wall clock; floor per op {result['layers']['floor_us']} us):")
+        for row in result["layers"]["rows"]:
+            print(f"  {row['k']:>5}x{row['n']:<5} M={row['m']:<2} {row['variant']:<10} {row['us']:8.1f} us "
+                  f"{row['gbps']:7.0f} GB/s")
+    if "kernels" in result:
+        k = result["kernels"]
+        if "skipped" in k:
+            print(f"kernels: skipped: {k['skipped']}")
+        else:
+            print("kernels (GPU time under ncu):")
+            for row in k["rows"]:
+                if row["variant"] != "ours":
+                    print(f"  {row['k']:>5}x{row['n']:<5} M={row['m']:<2} {row['variant']:<10} {row['us']:8.2f} us "
+                          f"{row['gbps']:7.0f} GB/s")
+            for row in k["best"]:
+                print(f"  {row['k']:>5}x{row['n']:<5} M={row['m']:<2} ours best  {row['us']:8.2f} us "
+                      f"{row['gbps']:7.0f} GB/s {row['config']}")
+    for row in result.get("model", {}).get("rows", []):
+        print(f"model batch {row['batch']}: stock {row['stock_tps']:.0f} tok/s, kernel {row['kernel_tps']:.0f}, "
+              f"dense copy {row['dense_copy_tps']:.0f}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--parts", default=",".join(PARTS))
+    parser.add_argument("--tokens", default=",".join(map(str, TOKENS)))
+    parser.add_argument("--matmul", default="kernel", choices=("kernel", "dense"))
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--workdir", default="/tmp/omlx-bench-models")
+    parser.add_argument("--tiny", action="store_true", help="tiny model for the model part (a quick check)")
+    parser.add_argument("--save", default=None)
+    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--kernels-child", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    tokens = tuple(int(t) for t in args.tokens.split(","))
+    if args.kernels_child:
+        kernels_child(tokens, Path(args.kernels_child))
+        return
+    parts = args.parts.split(",")
+    if unknown := [p for p in parts if p not in PARTS]:
+        raise SystemExit(f"decode.py: unknown part {unknown[0]!r}; use {', '.join(PARTS)}")
+    workdir = Path(args.workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    matmul = matmul_of(args.matmul)
+    if args.matmul != "kernel" and (timed := [p for p in parts if p in ("layers", "kernels", "model")]):
+        raise SystemExit(f"decode.py: --parts {','.join(timed)} time the kernel itself; --matmul dense "
+                         "checks exact and greedy only")
+    result = {"command": " ".join(sys.argv), "hardware": hardware(), "matmul": args.matmul}
+
+    def save() -> None:
+        if args.save:
+            Path(args.save).write_text(json.dumps(result, indent=1))
+
+    for part in parts:
+        start = time.perf_counter()
+        try:
+            if part == "exact":
+                result["exact"] = run_exact(matmul)
+            elif part == "greedy":
+                result["greedy"] = run_greedy(args.matmul, workdir)
+            elif part == "layers":
+                result["layers"] = run_layers(tokens, args.repeats)
+            elif part == "kernels":
+                result["kernels"] = run_kernels(tokens)
+            elif part == "model":
+                result["model"] = run_model(workdir, args.tiny)
+        except Exception as error:  # noqa: BLE001 - one failed part must not lose the others
+            result[part] = {"error": f"{type(error).__name__}: {error}"}
+            log(f"{part} failed: {type(error).__name__}: {error}")
+        result.setdefault("seconds", {})[part] = round(time.perf_counter() - start, 1)
+        log(f"{part}: {result['seconds'][part]} s")
+        save()
+    if args.json:
+        json.dump(result, sys.stdout, indent=1)
+        print()
+    else:
+        summary(result)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,307 @@
+"""Quantized matmul at decode sizes (1..64 tokens) as an `mx.fast.cuda_kernel`.
+
+Why: MLX's quantized matmul reads a layer's weights far below HBM bandwidth when only a
+few tokens multiply them, so a decode step costs nearly as much per token at batch 32 as
+at batch 1 times 32. `kernels/qmm_decode.cu` streams each weight byte once per call and
+computes every token of the call from it on the tensor cores (see the file's comment).
+
+- `quantized_matmul_decode(x, w, scales, biases, group_size, bits)`: MLX's
+  `quantized_matmul(..., transpose=True)` for MLX's affine layout, 4 or 8 bits, group
+  size 32, 64 or 128, bf16 or fp16 activations, 1..64 tokens.
+- `DecodeQuantizedLinear`: an `nn.QuantizedLinear` (same arrays, nothing copied) whose
+  decode-sized inputs run the kernel; every other input runs QuantizedLinear's own path.
+  Being a QuantizedLinear, it composes with the prefill paths as any quantized linear
+  does: `DequantizedPrefill` wraps it, split lanes slice it, `fast_paths.unwrap` returns it.
+- `install(model)` replaces the eligible quantized linears by module replacement.
+
+The launch shape (`Config`) is chosen per token count and layer shape; the benchmark
+(scripts/bench/decode.py) measured the candidates on the H200.
+"""
+
+import math
+from dataclasses import dataclass, replace
+from functools import lru_cache
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from omlx_core.errors import OmlxError
+
+SOURCE = "qmm_decode.cu"
+BITS = (4, 8)
+GROUP_SIZES = (32, 64, 128)
+DTYPES = {mx.bfloat16: "__nv_bfloat16", mx.float16: "__half"}
+SHORT = {mx.bfloat16: "bf16", mx.float16: "f16"}
+MAX_TOKENS = 64
+# Formats (bits, group size, activation dtype) whose exactness scripts/bench/decode.py
+# checked on the device (docs/benchmarks/decode-h200-*.json); others keep MLX's kernel.
+VALIDATED: tuple = ()
+ALL_FORMATS = tuple((bits, group, dtype) for bits in BITS for group in GROUP_SIZES for dtype in DTYPES)
+SMS = 132  # H200 multiprocessors: the CTA count the split of K aims at
+
+
+@dataclass(frozen=True)
+class Config:
+    """One launch shape (see the template parameters in kernels/qmm_decode.cu)."""
+
+    tiles: int  # NT: token tiles of 8
+    rows: int  # R: 16-row tiles per warp
+    warps_n: int  # WR
+    warps_k: int  # WK
+    rounds: int  # U: 128-input blocks a warp loads at once
+    slice_k: int  # KC: most inputs of one CTA's slice of K
+    ctas: int = 2 * SMS  # the split of K aims at least at this many CTAs
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.warps_n * self.warps_k
+
+    @property
+    def block_n(self) -> int:
+        return 16 * self.rows * self.warps_n
+
+    @property
+    def shared_bytes(self) -> int:
+        staged = 8 * self.tiles * self.slice_k * 2
+        reduced = 8 * self.tiles * (self.block_n + 4) * 4
+        return max(staged, reduced)
+
+    @property
+    def per_sm(self) -> int:
+        """CTAs one SM holds by shared memory (228 KiB, 1 KiB reserved each), at most 4."""
+        return max(1, min(4, (228 * 1024) // (self.shared_bytes + 1024), 2048 // self.threads))
+
+    def splits(self, n: int, k: int) -> int:
+        """CTAs along K: each slice fits `slice_k`, and the grid reaches `ctas` CTAs when
+        the layer has enough blocks for every K-warp."""
+        blocks = math.ceil(k / 128)
+        fit = math.ceil(blocks / (self.slice_k // 128))
+        wanted = math.ceil(self.ctas / math.ceil(n / self.block_n))
+        return max(fit, min(wanted, max(1, blocks // self.warps_k)))
+
+    def name(self, dtype: mx.Dtype, bits: int, group_size: int) -> str:
+        return (f"omlx_qmm_{SHORT[dtype]}_b{bits}_g{group_size}_t{self.tiles}_r{self.rows}"
+                f"_n{self.warps_n}_k{self.warps_k}_u{self.rounds}_c{self.slice_k}")
+
+
+def tiles_for(tokens: int) -> int:
+    return 1 if tokens <= 8 else 2 if tokens <= 16 else 4 if tokens <= 32 else 8
+
+
+def default_config(tokens: int, bits: int) -> Config:
+    """The launch shape for `tokens` tokens (1..64): more rows per CTA as tokens grow, so
+    the staged activations are reused by more output channels."""
+    tiles = tiles_for(tokens)
+    wide = bits == 8  # twice the weight registers per block
+    if tiles == 1:
+        return Config(1, 1, 1, 8, 2 if wide else 4, 4096)
+    if tiles == 2:
+        return Config(2, 1, 2, 4, 2 if wide else 4, 2048)
+    if tiles == 4:
+        return Config(4, 2, 2, 2, 1 if wide else 2, 1024)
+    return Config(8, 2, 4, 1, 1 if wide else 2, 512)
+
+
+def supported(x_dtype: mx.Dtype, scales_dtype: mx.Dtype, bits: int, group_size: int, mode: str = "affine") -> str:
+    """Empty when the kernel computes this layer, else why not (one line)."""
+    if mode != "affine":
+        return f"quantization mode {mode} (the kernel reads the affine layout)"
+    if bits not in BITS:
+        return f"{bits}-bit weights (the kernel reads {' or '.join(map(str, BITS))} bits)"
+    if group_size not in GROUP_SIZES:
+        return f"group size {group_size} (the kernel reads {', '.join(map(str, GROUP_SIZES))})"
+    if x_dtype not in DTYPES or scales_dtype != x_dtype:
+        return f"activations {x_dtype} with scales {scales_dtype} (the kernel needs both bf16 or both fp16)"
+    return ""
+
+
+def kernel_available() -> str:
+    """Empty when MLX can run CUDA kernels here, else why not."""
+    from omlx_core.hardware import mlx_backend
+
+    backend = mlx_backend()
+    return "" if backend == "cuda" else f"needs MLX's CUDA backend (mx.fast.cuda_kernel); this MLX runs on {backend}"
+
+
+INPUTS = ("x", "w", "scales", "biases", "locks")
+OUTPUTS = ("out", "partial")
+
+
+def body(config: Config, dtype: mx.Dtype, bits: int, group_size: int) -> str:
+    c = config
+    return (f"omlx_qmm::qmm_decode<{DTYPES[dtype]}, {bits}, {group_size}, {c.tiles}, {c.rows}, {c.warps_n}, "
+            f"{c.warps_k}, {c.rounds}, {c.slice_k}>(x, w, scales, biases, locks, out, partial, "
+            "x_shape[0], x_shape[1], w_shape[0]);")
+
+
+def launch_bounds(config: Config, dtype: mx.Dtype, bits: int, group_size: int) -> str:
+    """A declaration of MLX's generated kernel with launch bounds (MLX writes the
+    definition without any): the register budget that lets several CTAs share an SM."""
+    t = DTYPES[dtype]
+    per_sm = config.per_sm
+    return ("namespace mlx::core::cu {\n"
+            f"__global__ void __launch_bounds__({config.threads}, {per_sm}) "
+            f"custom_kernel_{config.name(dtype, bits, group_size)}(\n"
+            f"    const {t}* x,\n    const __grid_constant__ Shape x_shape,\n"
+            f"    const uint32_t* w,\n    const __grid_constant__ Shape w_shape,\n"
+            f"    const {t}* scales,\n    const {t}* biases,\n    const int32_t* locks,\n"
+            f"    {t}* out,\n    float* partial);\n"
+            "}  // namespace mlx::core::cu\n")
+
+
+def header(config: Config, dtype: mx.Dtype, bits: int, group_size: int) -> str:
+    from omlx_core.kernels.registry import kernel_source
+
+    return kernel_source(SOURCE) + "\n" + launch_bounds(config, dtype, bits, group_size)
+
+
+STANDALONE_PRELUDE = """#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda/std/array>
+#include <cooperative_groups.h>
+namespace mlx::core::cu { using Shape = cuda::std::array<int32_t, 10>; }
+"""
+
+
+def generated_source(config: Config, dtype: mx.Dtype, bits: int, group_size: int,
+                     prelude: str = STANDALONE_PRELUDE) -> str:
+    """The translation unit mx.fast.cuda_kernel compiles (its wrapper written out the way
+    MLX 0.32 writes it), with `prelude` for MLX's device header: for `nvcc -arch=sm_90a`
+    on a machine with no GPU."""
+    t = DTYPES[dtype]
+    params = (f"    const {t}* x,\n    const __grid_constant__ Shape x_shape,\n    const uint32_t* w,\n"
+              f"    const __grid_constant__ Shape w_shape,\n    const {t}* scales,\n    const {t}* biases,\n"
+              f"    const int32_t* locks,\n    {t}* out,\n    float* partial) {{\n")
+    return (prelude + header(config, dtype, bits, group_size)
+            + "namespace mlx::core::cu {\n\nnamespace cg = cooperative_groups;\n\n"
+            + f"__global__ void custom_kernel_{config.name(dtype, bits, group_size)}(\n" + params
+            + body(config, dtype, bits, group_size) + "\n}\n\n} // namespace mlx::core::cu\n")
+
+
+@lru_cache(maxsize=None)
+def _kernel(config: Config, dtype: mx.Dtype, bits: int, group_size: int):
+    return mx.fast.cuda_kernel(
+        name=config.name(dtype, bits, group_size), input_names=list(INPUTS), output_names=list(OUTPUTS),
+        source=body(config, dtype, bits, group_size), header=header(config, dtype, bits, group_size),
+        ensure_row_contiguous=True, shared_memory=config.shared_bytes)
+
+
+def lock_count(n: int) -> int:
+    """Counters one layer of `n` outputs needs (one per CTA column, for any Config)."""
+    return math.ceil(n / 16)
+
+
+def quantized_matmul_decode(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array,
+                            group_size: int, bits: int, *, locks: mx.array | None = None,
+                            config: Config | None = None, ctas: int | None = None) -> mx.array:
+    """`mx.quantized_matmul(x, w, scales, biases, transpose=True, ...)` for 1..64 tokens.
+
+    `locks`: int32 zeros, `lock_count(N)` of them, owned by the caller and never used by
+    two calls at once (the kernel leaves them zero); without it a fresh zero buffer is
+    made per call. `config` / `ctas` override the launch shape (the benchmark's sweep).
+    """
+    if why := kernel_available():
+        raise OmlxError(f"qmm_decode {why}")
+    k = x.shape[-1]
+    n = w.shape[0]
+    tokens = x.size // k if k else 0
+    if biases is None:
+        raise OmlxError("qmm_decode needs the affine layout's biases")
+    if why := supported(x.dtype, scales.dtype, bits, group_size):
+        raise OmlxError(f"qmm_decode cannot compute {why}")
+    if not 1 <= tokens <= MAX_TOKENS:
+        raise OmlxError(f"qmm_decode computes 1..{MAX_TOKENS} tokens, not {tokens}")
+    if w.shape[1] * 32 // bits != k or k % group_size or scales.shape != (n, k // group_size):
+        raise OmlxError(f"qmm_decode: weight {w.shape}, scales {scales.shape} do not fit {k} inputs "
+                        f"at {bits} bits, group size {group_size}")
+    config = config or default_config(tokens, bits)
+    if ctas is not None:
+        config = replace(config, ctas=ctas)
+    if 8 * config.tiles < tokens:
+        raise OmlxError(f"qmm_decode: config for {8 * config.tiles} tokens given {tokens}")
+    splits = config.splits(n, k)
+    if locks is None:
+        locks = mx.zeros((lock_count(n),), dtype=mx.int32)
+    out, _ = _kernel(config, x.dtype, bits, group_size)(
+        inputs=[x.reshape(tokens, k), w, scales, biases, locks],
+        output_shapes=[(tokens, n), (splits * tokens * n if splits > 1 else 1,)],
+        output_dtypes=[x.dtype, mx.float32],
+        grid=(math.ceil(n / config.block_n) * config.threads, splits, 1),
+        threadgroup=(config.threads, 1, 1))
+    return out.reshape(*x.shape[:-1], n)
+
+
+class DecodeQuantizedLinear(nn.QuantizedLinear):
+    """A QuantizedLinear whose inputs of 1..`max_tokens` tokens run the decode kernel."""
+
+    @classmethod
+    def of(cls, layer: nn.QuantizedLinear, max_tokens: int = MAX_TOKENS) -> "DecodeQuantizedLinear":
+        module = cls.__new__(cls)
+        nn.Module.__init__(module)
+        for key, value in layer.items():  # weight, scales, biases (and bias): the same arrays
+            module[key] = value
+        module.group_size, module.bits, module.mode = layer.group_size, layer.bits, layer.mode
+        module.max_tokens = max_tokens
+        module.calls = 0  # inputs that took the kernel
+        # Underscored: not a parameter (not saved, not counted as weights).
+        module._locks = mx.zeros((lock_count(layer.weight.shape[0]),), dtype=mx.int32)
+        mx.eval(module._locks)
+        module.freeze()
+        return module
+
+    def uses_kernel(self, x: mx.array) -> bool:
+        tokens = x.size // x.shape[-1]
+        return 1 <= tokens <= self.max_tokens and not supported(x.dtype, self.scales.dtype, self.bits,
+                                                                self.group_size, self.mode)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        if not self.uses_kernel(x):
+            return super().__call__(x)
+        self.calls += 1
+        out = quantized_matmul_decode(x, self.weight, self.scales, self.biases, self.group_size,
+                                      self.bits, locks=self._locks)
+        return out + self.bias if "bias" in self else out
+
+
+def plain(module) -> nn.Module:
+    """A plain QuantizedLinear of the same arrays for any QuantizedLinear subclass (undoes
+    `install`, and the dense copy's install too); any other module as given."""
+    if not isinstance(module, nn.QuantizedLinear) or type(module) is nn.QuantizedLinear:
+        return module
+    layer = nn.QuantizedLinear.__new__(nn.QuantizedLinear)
+    nn.Module.__init__(layer)
+    for key in ("weight", "scales", "biases", "bias"):
+        if key in module:
+            layer[key] = module[key]
+    layer.group_size, layer.bits, layer.mode = module.group_size, module.bits, module.mode
+    layer.freeze()
+    return layer
+
+
+def eligible(module, formats: tuple) -> bool:
+    """A plain affine quantized linear the kernel computes, in one of `formats`
+    ((bits, group size, scales dtype) triples)."""
+    if type(module) is not nn.QuantizedLinear or getattr(module, "biases", None) is None:
+        return False
+    if supported(module.scales.dtype, module.scales.dtype, module.bits, module.group_size, module.mode):
+        return False
+    return (module.bits, module.group_size, module.scales.dtype) in formats
+
+
+def applies(model) -> bool:
+    return any(eligible(module, VALIDATED) for _, module in model.named_modules())
+
+
+def install(model, max_tokens: int = MAX_TOKENS, formats: tuple | None = None) -> list[str]:
+    """Replace every eligible quantized linear (also inside prefill wrappers) by a
+    DecodeQuantizedLinear; returns their paths. All are built before any is replaced.
+    `formats` defaults to those that passed the exactness check on the device
+    (`ALL_FORMATS` for the check itself)."""
+    from omlx_core.prefill.split import replace_module
+
+    formats = VALIDATED if formats is None else formats
+    built = [(path, DecodeQuantizedLinear.of(module, max_tokens))
+             for path, module in model.named_modules() if eligible(module, formats)]
+    for path, module in built:
+        replace_module(model, path, module)
+    return [path for path, _ in built]
