@@ -90,60 +90,73 @@ def matmul_of(name: str):
 
 # -- exact ---------------------------------------------------------------------------------
 
-def exact_cases(tokens=EXACT_TOKENS):
-    """(bits, group, dtype, k, n): odd N, N below one CTA tile, K not a multiple of 128."""
+def exact_cases(quick: bool = False):
+    """(bits, group, dtype, k, n, tokens): odd N, N below one CTA tile, K not a multiple of
+    the 128-input tile, every token bucket (1-8, 9-16, 17-32, 33-64)."""
     odd_k = {32: 1056, 64: 1088, 128: 1152}
+    tokens = (1, 3, 9, 17, 33, 64) if quick else EXACT_TOKENS
     for bits in (4, 8):
         for group in (32, 64, 128):
-            for k, n in ((odd_k[group], 1001), (odd_k[group], 17), (4096, 4096)):
+            for k, n in ((odd_k[group], 1001), (odd_k[group], 17)):
                 yield bits, group, mx.bfloat16, k, n, tokens
-    for bits, group in ((4, 64), (8, 128)):
-        yield bits, group, mx.float16, odd_k[group], 1001, tokens
+    yield 4, 64, mx.bfloat16, 4096, 4096, (1, 8, 32, 64)
+    if not quick:
+        for bits, group in ((4, 64), (8, 128)):
+            yield bits, group, mx.float16, odd_k[group], 1001, tokens
 
 
-def compare(ours: mx.array, ref: mx.array, truth: mx.array) -> dict:
-    """Differences relative to the largest reference output. `ok`: ours is within bf16
-    rounding (TOLERANCE) of MLX's quantized_matmul, or of it plus MLX's own distance from
-    the fp32 result (MLX accumulates 4-bit products in bf16 on some paths), and never
-    farther from the fp32 result than MLX is plus that rounding."""
-    ours, ref = ours.astype(mx.float32), ref.astype(mx.float32)
-    scale = mx.max(mx.abs(ref)).item() or 1.0
-    rms = mx.sqrt(mx.mean(ref * ref)).item() or 1.0
-    diff = mx.max(mx.abs(ours - ref)).item()
+def compare(ours: mx.array, ref: mx.array | None, truth: mx.array) -> dict:
+    """Differences relative to the largest output. With MLX's result (`ref`), `ok`: ours
+    is within bf16 rounding (TOLERANCE) of it, or of it plus MLX's own distance from the
+    fp32 result (MLX accumulates 4-bit products in bf16 on some paths), and never farther
+    from the fp32 result than MLX is plus that rounding. Without it (`ref` None: MLX's
+    kernel for that size is compiled at run time, minutes for the whole matrix), ours
+    against the fp32 result within that rounding."""
+    ours = ours.astype(mx.float32)
+    scale = mx.max(mx.abs(truth)).item() or 1.0
     ours_err = mx.max(mx.abs(ours - truth)).item() / scale
+    row = {"ours_vs_fp32": ours_err, "reference": "fp32" if ref is None else "mlx"}
+    if ref is None:
+        row.update(rel_max=ours_err, strict=ours_err <= TOLERANCE, ok=bool(ours_err <= TOLERANCE))
+        return row
+    ref = ref.astype(mx.float32)
+    diff = mx.max(mx.abs(ours - ref)).item() / scale
     mlx_err = mx.max(mx.abs(ref - truth)).item() / scale
-    row = {"max_abs": diff, "rel_max": diff / scale, "rel_rms": diff / rms,
-           "ours_vs_fp32": ours_err, "mlx_vs_fp32": mlx_err, "strict": diff / scale <= TOLERANCE}
-    row["ok"] = bool(ours.shape == ref.shape and diff / scale <= TOLERANCE + mlx_err
-                     and ours_err <= mlx_err + TOLERANCE)
+    row.update(rel_max=diff, mlx_vs_fp32=mlx_err, strict=diff <= TOLERANCE,
+               ok=bool(ours.shape == ref.shape and diff <= TOLERANCE + mlx_err and ours_err <= mlx_err + TOLERANCE))
     return row
 
 
-def run_exact(matmul, cases=None) -> dict:
+def exact_row(matmul, layer, bits, group, dtype, k, n, m, with_mlx: bool, **options) -> dict:
+    wq, scales, biases = layer
+    x = mx.random.normal((m, k), key=mx.random.key(m)).astype(dtype)
+    w32 = mx.dequantize(wq, scales, biases, group_size=group, bits=bits, dtype=mx.float32)
+    ref = (mx.quantized_matmul(x, wq, scales, biases, transpose=True, group_size=group, bits=bits)
+           if with_mlx else None)
+    ours = matmul(x, wq, scales, biases, group, bits, **options)
+    return {"bits": bits, "group": group, "dtype": str(dtype).split(".")[-1], "k": k, "n": n, "m": m,
+            **compare(ours, ref, x.astype(mx.float32) @ w32.T)}
+
+
+def run_exact(matmul, cases=None, quick: bool = False) -> dict:
+    """`quick`: MLX's result only below 8 tokens (its precompiled kernel), the fp32 result
+    everywhere; no sweep of launch shapes."""
     rows = []
-    for bits, group, dtype, k, n, counts in cases or exact_cases():
-        wq, scales, biases = quantized_layer(k, n, bits, group, dtype, seed=bits * 1000 + group + n)
-        w32 = mx.dequantize(wq, scales, biases, group_size=group, bits=bits, dtype=mx.float32)
+    for bits, group, dtype, k, n, counts in cases or exact_cases(quick):
+        layer = quantized_layer(k, n, bits, group, dtype, seed=bits * 1000 + group + n)
         for m in counts:
-            x = mx.random.normal((m, k), key=mx.random.key(m)).astype(dtype)
-            ref = mx.quantized_matmul(x, wq, scales, biases, transpose=True, group_size=group, bits=bits)
-            ours = matmul(x, wq, scales, biases, group, bits)
-            row = {"bits": bits, "group": group, "dtype": str(dtype).split(".")[-1], "k": k, "n": n, "m": m,
-                   **compare(ours, ref, x.astype(mx.float32) @ w32.T)}
-            rows.append(row)
-    sweep = matmul is qmm_decode.quantized_matmul_decode  # the launch shapes the kernels part times
+            start = time.perf_counter()
+            rows.append(exact_row(matmul, layer, bits, group, dtype, k, n, m, with_mlx=not quick or m < 8))
+            log(f"exact {bits}-bit g{group} {k}x{n} M={m}: rel {rows[-1]['rel_max']:.2e} "
+                f"ok={rows[-1]['ok']} ({time.perf_counter() - start:.1f} s)")
+    sweep = matmul is qmm_decode.quantized_matmul_decode and not quick  # the shapes the kernels part times
     for config in {c for m in (1, 9, 17, 33) for c in sweep_configs(m)} if sweep else ():
         for ctas in CTAS:
             for k, n in ((1088, 1001), (4096, 4096)):
-                wq, scales, biases = quantized_layer(k, n, 4, 64, seed=n)
-                w32 = mx.dequantize(wq, scales, biases, group_size=64, bits=4, dtype=mx.float32)
+                layer = quantized_layer(k, n, 4, 64, seed=n)
                 for m in {1, 8 * config.tiles - 5, 8 * config.tiles}:
-                    x = mx.random.normal((m, k), key=mx.random.key(m)).astype(mx.bfloat16)
-                    ref = mx.quantized_matmul(x, wq, scales, biases, transpose=True, group_size=64, bits=4)
-                    ours = matmul(x, wq, scales, biases, 64, 4, config=config, ctas=ctas)
-                    row = {"bits": 4, "group": 64, "dtype": "bfloat16", "k": k, "n": n, "m": m,
-                           "config": config.__dict__ | {"ctas": ctas}, **compare(ours, ref, x.astype(mx.float32) @ w32.T)}
-                    rows.append(row)
+                    row = exact_row(matmul, layer, 4, 64, mx.bfloat16, k, n, m, True, config=config, ctas=ctas)
+                    rows.append({**row, "config": config.__dict__ | {"ctas": ctas}})
     formats = {}
     for row in rows:
         key = f"{row['dtype']}/{row['bits']}bit/g{row['group']}"
@@ -162,19 +175,25 @@ def greedy_tokens(model, prompt: mx.array, count: int) -> list[int]:
     return [int(token) for token, _ in generate_step(prompt, model, max_tokens=count)]
 
 
-def run_greedy(matmul_name: str, workdir: Path, count: int = 64) -> list[dict]:
+def run_greedy(matmul_name: str, workdir: Path, count: int = 64, quick: bool = False) -> list[dict]:
+    """One prompt token, so every step (stock and ours) multiplies one token: MLX's
+    precompiled kernel, no run-time compile of its larger ones."""
     from mlx_lm.utils import load
 
     from omlx_core.decode.dense_copy import install_dense_copy
     from omlx_core.models.testing import build_tiny_model
 
     results = []
-    for arch, bits, group in (("llama", 4, 32), ("llama", 8, 64), ("qwen3_5", 4, 64)):
+    models = (("llama", 4, 64), ("qwen3_5", 4, 64)) if quick else (("llama", 4, 32), ("llama", 8, 64),
+                                                                   ("qwen3_5", 4, 64))
+    for arch, bits, group in models:
+        start = time.perf_counter()
         path = workdir / f"greedy-{arch}-{bits}bit-g{group}"
         if not (path / "config.json").is_file():
             build_tiny_model(arch, path, quantized=True, bits=bits, group_size=group)
         model, _ = load(str(path))
-        prompt = mx.array([5, 17, 42, 99, 7, 250, 31, 64, 128, 3, 77, 11], dtype=mx.int32)
+        log(f"greedy {arch}: built and loaded in {time.perf_counter() - start:.1f} s")
+        prompt = mx.array([42], dtype=mx.int32)
         stock = greedy_tokens(model, prompt, count)
         if matmul_name == "dense":
             layers = install_dense_copy(model, {"decode.dense_copy": True}).layers
@@ -297,13 +316,15 @@ def sweep_configs(m: int) -> list:
     return [qmm_decode.Config(tiles, r, wn, wk, u, kc) for r, wn, wk, u, kc in SWEEP[tiles]]
 
 
-def kernel_blocks(tokens) -> list[dict]:
+def kernel_blocks(tokens, quick: bool = False) -> list[dict]:
+    """`quick`: MLX's kernel only below 8 tokens (precompiled), the default launch shape only."""
     blocks = []
     for k, n in LAYERS:
         for m in tokens:
-            blocks.append({"k": k, "n": n, "m": m, "variant": "mlx_qmm"})
+            if not quick or m < 8:
+                blocks.append({"k": k, "n": n, "m": m, "variant": "mlx_qmm"})
             blocks.append({"k": k, "n": n, "m": m, "variant": "dense_bf16"})
-            for config in sweep_configs(m):
+            for config in sweep_configs(m)[:1] if quick else sweep_configs(m):
                 for ctas in CTAS:
                     blocks.append({"k": k, "n": n, "m": m, "variant": "ours", "config": config.__dict__ | {"ctas": ctas}})
     return blocks
@@ -321,29 +342,31 @@ def build_blocks(tokens, calls: int):
     return built
 
 
-def compile_blocks(tokens, calls: int = 3) -> None:
+def compile_blocks(tokens, quick: bool, calls: int = 3) -> None:
     built = build_blocks(tokens, calls)
-    for block in kernel_blocks(tokens):
+    for block in kernel_blocks(tokens, quick):
         run_block(block, built, 1)
     marker_kernel()
     mx.synchronize()
 
 
 def marker_kernel():
-    kernel = _marker()
-    one = mx.zeros((1,), dtype=mx.float32)
+    """One launch of the marker: its input is made once, so no other kernel comes with it."""
+    kernel, one = _marker()
     return mx.eval(kernel(inputs=[one], output_shapes=[(1,)], output_dtypes=[mx.float32], grid=(1, 1, 1),
                           threadgroup=(1, 1, 1))[0])
 
 
 @lru_cache(maxsize=1)
 def _marker():
-    return mx.fast.cuda_kernel("omlx_bench_marker", ["x"], ["out"], "out[0] = x[0];")
+    one = mx.zeros((1,), dtype=mx.float32)
+    mx.eval(one)
+    return mx.fast.cuda_kernel("omlx_bench_marker", ["x"], ["out"], "out[0] = x[0];"), one
 
 
-def kernels_child(tokens, blocks_file: Path, calls: int = 3) -> None:
+def kernels_child(tokens, blocks_file: Path, quick: bool, calls: int = 3) -> None:
     """Run every block after a marker kernel (ncu's output is split at the markers)."""
-    blocks = kernel_blocks(tokens)
+    blocks = kernel_blocks(tokens, quick)
     built = build_blocks(tokens, calls)
     mx.synchronize()
     for block in blocks:
@@ -373,17 +396,17 @@ def run_block(block: dict, built, calls: int) -> None:
 NS = {"nsecond": 1.0, "ns": 1.0, "usecond": 1e3, "us": 1e3, "msecond": 1e6, "ms": 1e6, "second": 1e9, "s": 1e9}
 
 
-def run_kernels(tokens, timeout: float = 240) -> dict:
+def run_kernels(tokens, quick: bool = False, timeout: float = 240) -> dict:
     ncu = shutil.which("ncu") or next(iter(sorted(glob.glob("/usr/local/cuda*/bin/ncu"))
                                            + sorted(glob.glob("/opt/nvidia/nsight-compute*/ncu"))), None)
     if ncu is None:
         return {"skipped": "Nsight Compute (ncu) not found: kernel GPU times not measured"}
-    compile_blocks(tokens)  # the child finds every kernel in MLX's compiled-kernel cache
+    compile_blocks(tokens, quick)  # the child finds every kernel in MLX's compiled-kernel cache
     with tempfile.TemporaryDirectory() as tmp:
         blocks_file, report = Path(tmp) / "blocks.json", Path(tmp) / "ncu.csv"
         command = [ncu, "--clock-control", "none", "--metrics", "gpu__time_duration.sum", "--csv",
                    "--log-file", str(report), sys.executable, __file__, "--kernels-child", str(blocks_file),
-                   "--tokens", ",".join(map(str, tokens))]
+                   "--tokens", ",".join(map(str, tokens))] + (["--quick"] if quick else [])
         start = time.perf_counter()
         try:
             done = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
@@ -553,13 +576,15 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--workdir", default="/tmp/omlx-bench-models")
     parser.add_argument("--tiny", action="store_true", help="tiny model for the model part (a quick check)")
+    parser.add_argument("--quick", action="store_true",
+                        help="no run-time compiles of MLX's larger quantized kernels, no launch-shape sweep")
     parser.add_argument("--save", default=None)
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--kernels-child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     tokens = tuple(int(t) for t in args.tokens.split(","))
     if args.kernels_child:
-        kernels_child(tokens, Path(args.kernels_child))
+        kernels_child(tokens, Path(args.kernels_child), args.quick)
         return
     parts = args.parts.split(",")
     if unknown := [p for p in parts if p not in PARTS]:
@@ -580,13 +605,13 @@ def main() -> None:
         start = time.perf_counter()
         try:
             if part == "exact":
-                result["exact"] = run_exact(matmul)
+                result["exact"] = run_exact(matmul, quick=args.quick)
             elif part == "greedy":
-                result["greedy"] = run_greedy(args.matmul, workdir)
+                result["greedy"] = run_greedy(args.matmul, workdir, quick=args.quick)
             elif part == "layers":
                 result["layers"] = run_layers(tokens, args.repeats)
             elif part == "kernels":
-                result["kernels"] = run_kernels(tokens)
+                result["kernels"] = run_kernels(tokens, args.quick)
             elif part == "model":
                 result["model"] = run_model(workdir, args.tiny)
         except Exception as error:  # noqa: BLE001 - one failed part must not lose the others

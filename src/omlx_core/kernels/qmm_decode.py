@@ -34,8 +34,10 @@ DTYPES = {mx.bfloat16: "__nv_bfloat16", mx.float16: "__half"}
 SHORT = {mx.bfloat16: "bf16", mx.float16: "f16"}
 MAX_TOKENS = 64
 # Formats (bits, group size, activation dtype) whose exactness scripts/bench/decode.py
-# checked on the device (docs/benchmarks/decode-h200-*.json); others keep MLX's kernel.
-VALIDATED: tuple = ()
+# checked on the H200 (docs/benchmarks/decode-h200-qmm.json: every bf16 format, every
+# token bucket, odd N, K off the tile, within 1/128 of the largest output); others (fp16)
+# keep MLX's kernel.
+VALIDATED: tuple = tuple((bits, group, mx.bfloat16) for bits in BITS for group in GROUP_SIZES)
 ALL_FORMATS = tuple((bits, group, dtype) for bits in BITS for group in GROUP_SIZES for dtype in DTYPES)
 SMS = 132  # H200 multiprocessors: the CTA count the split of K aims at
 
@@ -50,7 +52,7 @@ class Config:
     warps_k: int  # WK
     rounds: int  # U: 128-input blocks a warp loads at once
     slice_k: int  # KC: most inputs of one CTA's slice of K
-    ctas: int = 2 * SMS  # the split of K aims at least at this many CTAs
+    ctas: int = SMS  # the split of K aims at least at this many CTAs
 
     @property
     def threads(self) -> int:
@@ -90,13 +92,15 @@ def tiles_for(tokens: int) -> int:
 
 def default_config(tokens: int, bits: int) -> Config:
     """The launch shape for `tokens` tokens (1..64): more rows per CTA as tokens grow, so
-    the staged activations are reused by more output channels."""
+    the staged activations are reused by more output channels. The split of K aims at
+    one CTA per SM, two at 9..16 tokens: the fastest measured on the H200
+    (docs/benchmarks/decode-h200-qmm.json, 4096x4096, where the split is a choice)."""
     tiles = tiles_for(tokens)
     wide = bits == 8  # twice the weight registers per block
     if tiles == 1:
         return Config(1, 1, 1, 8, 2 if wide else 4, 4096)
     if tiles == 2:
-        return Config(2, 1, 2, 4, 2 if wide else 4, 2048)
+        return Config(2, 1, 2, 4, 2 if wide else 4, 2048, ctas=2 * SMS)
     if tiles == 4:
         return Config(4, 2, 2, 2, 1 if wide else 2, 1024)
     return Config(8, 2, 4, 1, 1 if wide else 2, 512)
@@ -305,3 +309,23 @@ def install(model, max_tokens: int = MAX_TOKENS, formats: tuple | None = None) -
     for path, module in built:
         replace_module(model, path, module)
     return [path for path, _ in built]
+
+
+def _spec():
+    from omlx_core.kernels.registry import KernelSpec
+
+    return KernelSpec(
+        name="qmm_decode",
+        replaces="mx.quantized_matmul of affine 4/8-bit quantized linears (group 32/64/128) at 1..64 tokens",
+        source=SOURCE,
+        # Exactness passed on the H200 (docs/benchmarks/decode-h200-qmm.json); the 64-token
+        # greedy decode and the whole-model decode step are not measured there yet, so no
+        # (model, hardware) pair is recorded: auto keeps MLX's kernel, `on` runs this one.
+        validated=(),
+        applies=applies,
+        absent="affine 4- or 8-bit quantized linears with bf16 scales (group 32, 64 or 128)",
+        install=install,
+    )
+
+
+SPEC = _spec()

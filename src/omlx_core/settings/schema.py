@@ -204,6 +204,10 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("prefill.chunked_gdn_min_tokens", "count", 64,
             "Inputs of at least this many tokens use the chunked gated-delta prefill.", minimum=1),
     kernel_setting("indexer_score", "the deepseek_v41 indexer score (fused, no per-head tensor)"),
+    kernel_setting("qmm_decode", "quantized linears at 1..64 tokens (decode), weights streamed once"),
+    Setting("decode.dense_copy", "bool", False,
+            "Keep a dense 16-bit copy of every quantized weight for decode-sized inputs (1..64 tokens): "
+            "faster batched decode for the copy's memory, which the memory guard is charged."),
     Setting("models.default", "str", "default", "Model used when a command names none."),
     Setting("models.pinned", "list", [], "Models omlx serve keeps loaded."),
     Setting("cluster.enabled", "bool", False, "Experimental: distributed inference over enrolled workers."),
