@@ -70,10 +70,12 @@ class DenseCopyReport:
 
 
 def eligible(module) -> bool:
-    """A quantized linear not already holding a copy (a decode-kernel linear included:
-    the copy replaces it, as the setting asks)."""
-    return (isinstance(module, nn.QuantizedLinear) and not isinstance(module, DenseCopyLinear)
-            and mx.issubdtype(module.scales.dtype, mx.floating) and module.scales.dtype != mx.float32)
+    """A plain quantized linear with 16-bit scales, or a decode-kernel one (the copy replaces
+    it, as the setting asks); other QuantizedLinear subclasses keep their own compute."""
+    from omlx_core.kernels.qmm_decode import DecodeQuantizedLinear
+
+    return ((type(module) is nn.QuantizedLinear or isinstance(module, DecodeQuantizedLinear))
+            and module.scales.dtype in (mx.bfloat16, mx.float16))
 
 
 def install_dense_copy(model, settings, max_tokens: int = MAX_TOKENS) -> DenseCopyReport:

@@ -236,7 +236,13 @@ def quantized_matmul_decode(x: mx.array, w: mx.array, scales: mx.array, biases: 
 
 
 class DecodeQuantizedLinear(nn.QuantizedLinear):
-    """A QuantizedLinear whose inputs of 1..`max_tokens` tokens run the decode kernel."""
+    """A QuantizedLinear whose inputs of 1..`max_tokens` tokens run the decode kernel.
+
+    A row slice made by the split lanes (`split.rows_of`, which keeps the class) has the
+    class defaults and no counters of its own: its kernel calls get fresh ones."""
+
+    max_tokens = MAX_TOKENS
+    calls = 0
 
     @classmethod
     def of(cls, layer: nn.QuantizedLinear, max_tokens: int = MAX_TOKENS) -> "DecodeQuantizedLinear":
@@ -263,7 +269,7 @@ class DecodeQuantizedLinear(nn.QuantizedLinear):
             return super().__call__(x)
         self.calls += 1
         out = quantized_matmul_decode(x, self.weight, self.scales, self.biases, self.group_size,
-                                      self.bits, locks=self._locks)
+                                      self.bits, locks=self.get("_locks"))
         return out + self.bias if "bias" in self else out
 
 

@@ -36,6 +36,7 @@ class LoadedModel:
     generator: object = None  # mlx-lm BatchGenerator, made by the engine on first use
     stop_sequences: object = None  # EOS ids as mlx-lm StopSequences, made with it
     no_stop: object = None  # no EOS at all, for requests with ignore_eos
+    dense_copy: object = None  # decode.dense_copy.DenseCopyReport
 
     @property
     def id(self) -> str:
@@ -105,6 +106,7 @@ class ModelRegistry:
         from omlx_core.memory.weights import weights_bytes
         from omlx_core.models.clone_fp16 import is_fp16_clone
         from omlx_core.kernels.registry import install_kernels
+        from omlx_core.decode.dense_copy import install_dense_copy
         from omlx_core.prefill.install import install_prefill
         from omlx_core.prompt_cache.tiered import open_prompt_cache
 
@@ -120,10 +122,13 @@ class ModelRegistry:
                               warmup_tokens=int(settings["prefill.split_min_tokens"]))
         if lanes.extra_bytes:
             self.guard.register_extra(f"prefill_lanes:{ref.name}", lanes.extra_bytes)
+        dense_copy = install_dense_copy(model, settings)
+        if dense_copy.extra_bytes:
+            self.guard.register_extra(f"decode_dense_copy:{ref.name}", dense_copy.extra_bytes)
         loaded = LoadedModel(
             ref=ref, model=model, tokenizer=tokenizer, fingerprint=fingerprint,
             settings=settings, kv=kv_profile(model), weights_bytes=size, lanes=lanes,
-            kernels=kernels,
+            kernels=kernels, dense_copy=dense_copy,
             context_length=_context_length(config, tokenizer),
             vocab_size=int(config.get("vocab_size") or len(tokenizer)), pinned=pinned,
             prompt_cache=open_prompt_cache(model, ref.path, fingerprint, self.home, settings,
@@ -142,6 +147,7 @@ class ModelRegistry:
         self.guard.release_weights(victim.id)
         self.guard.release_extra(f"prefix_cache:{victim.id}")
         self.guard.release_extra(f"prefill_lanes:{victim.id}")
+        self.guard.release_extra(f"decode_dense_copy:{victim.id}")
         if victim.generator is not None:
             victim.generator.close()
         victim.prompt_cache.close(timeout=None)  # pending writes finish in the background

@@ -1,0 +1,300 @@
+"""The decode quantized matmul: routing, module replacement and its composition with the
+prefill paths, gating off where CUDA is absent, the kernel source compiling for sm_90,
+the dense-copy path's exactness and memory accounting, and the device benchmark's
+exactness check (run here with the dense fallback). The kernel's own exactness is
+checked on the GPU machine by scripts/bench/decode.py (docs/benchmarks/decode-h200-qmm.json)."""
+
+import math
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+import pytest
+from mlx.utils import tree_flatten
+from mlx_lm.utils import load
+
+from omlx_core.decode.dense_copy import DenseCopyLinear, install_dense_copy
+from omlx_core.errors import OmlxError
+from omlx_core.kernels import qmm_decode
+from omlx_core.kernels.qmm_decode import ALL_FORMATS, Config, DecodeQuantizedLinear
+from omlx_core.kernels.registry import decide, install_kernels
+from omlx_core.memory.guard import MemoryGuard
+from omlx_core.memory.weights import weights_bytes
+from omlx_core.models.testing import build_tiny_model
+from omlx_core.prefill.fast_paths import DequantizedPrefill, install_fast_paths, unwrap
+from omlx_core.prefill.split import replace_module, rows_of
+from omlx_core.settings import load_settings
+
+REPO = Path(__file__).resolve().parents[1]
+BENCH = REPO / "scripts" / "bench" / "decode.py"
+H200 = {"backend": "cuda", "arch": "sm_90", "gpu": "NVIDIA H200"}
+CPU = {"backend": "cpu", "arch": None, "gpu": None}
+
+
+@pytest.fixture(scope="module")
+def tiny_path(tmp_path_factory) -> Path:
+    return build_tiny_model("llama", tmp_path_factory.mktemp("qmm") / "llama", quantized=True, bits=4,
+                            group_size=64)
+
+
+def quantized(k=128, n=96, bits=4, group=64, dtype=mx.bfloat16, bias=False) -> nn.QuantizedLinear:
+    linear = nn.Linear(k, n, bias=bias)
+    linear.set_dtype(dtype)
+    return nn.QuantizedLinear.from_linear(linear, group_size=group, bits=bits)
+
+
+def quantized_linears(model) -> dict:
+    return {path: m for path, m in model.named_modules() if isinstance(m, nn.QuantizedLinear)}
+
+
+# -- routing -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("tokens,expected", [(1, True), (7, True), (64, True), (65, False), (512, False)])
+def test_decode_sized_inputs_take_the_kernel(tokens, expected):
+    layer = DecodeQuantizedLinear.of(quantized())
+    assert layer.uses_kernel(mx.zeros((1, tokens, 128), dtype=mx.bfloat16)) is expected
+
+
+def test_batched_decode_counts_every_row_as_a_token():
+    layer = DecodeQuantizedLinear.of(quantized())
+    assert layer.uses_kernel(mx.zeros((32, 1, 128), dtype=mx.bfloat16))
+    assert not layer.uses_kernel(mx.zeros((65, 1, 128), dtype=mx.bfloat16))
+
+
+def test_inputs_the_kernel_cannot_compute_keep_mlx():
+    layer = DecodeQuantizedLinear.of(quantized())
+    assert not layer.uses_kernel(mx.zeros((1, 1, 128), dtype=mx.float32))  # scales are bf16
+    assert not DecodeQuantizedLinear.of(quantized(bits=3, group=64)).uses_kernel(
+        mx.zeros((1, 128), dtype=mx.bfloat16))
+
+
+def test_prefill_inputs_run_quantized_linear_unchanged():
+    plain = quantized(bias=True)
+    layer = DecodeQuantizedLinear.of(plain)
+    x = mx.random.normal((1, 100, 128)).astype(mx.bfloat16)
+    assert mx.array_equal(layer(x), plain(x))
+    assert layer.calls == 0
+
+
+def test_the_kernel_refuses_clearly_without_cuda():
+    if qmm_decode.kernel_available() == "":
+        pytest.skip("this machine runs CUDA")
+    layer = DecodeQuantizedLinear.of(quantized())
+    with pytest.raises(OmlxError, match="needs MLX's CUDA backend"):
+        layer(mx.zeros((1, 1, 128), dtype=mx.bfloat16))
+
+
+@pytest.mark.parametrize("n,k,tokens", [(4096, 4096, 1), (4096, 12288, 1), (12288, 4096, 32), (17, 1088, 64),
+                                        (1001, 1056, 9)])
+def test_every_launch_shape_fits_its_shared_memory_and_reaches_the_cta_target(n, k, tokens):
+    config = qmm_decode.default_config(tokens, 4)
+    splits = config.splits(n, k)
+    blocks = math.ceil(k / 128)
+    assert 8 * config.tiles >= tokens
+    assert math.ceil(blocks / splits) * 128 <= config.slice_k  # one CTA's slice is staged whole
+    assert 1 <= splits <= blocks
+    ctas = math.ceil(n / config.block_n) * splits
+    assert ctas >= min(config.ctas, math.ceil(n / config.block_n) * max(1, blocks // config.warps_k))
+
+
+# -- module replacement and composition ----------------------------------------------------
+
+def test_install_replaces_quantized_linears_with_the_same_arrays(tiny_path):
+    model, _ = load(str(tiny_path))
+    before = quantized_linears(model)
+    size = weights_bytes(model)
+    keys = [k for k, _ in tree_flatten(model.parameters())]
+    paths = qmm_decode.install(model, formats=ALL_FORMATS)
+    assert sorted(paths) == sorted(before)
+    after = dict(model.named_modules())
+    for path, original in before.items():
+        assert isinstance(after[path], DecodeQuantizedLinear)
+        assert after[path].weight is original.weight and after[path].scales is original.scales
+    assert weights_bytes(model) == size  # the counters are not parameters
+    assert [k for k, _ in tree_flatten(model.parameters())] == keys
+    for path in paths:
+        replace_module(model, path, qmm_decode.plain(after[path]))
+    assert all(type(m) is nn.QuantizedLinear for m in quantized_linears(model).values())
+
+
+def test_prefill_fast_path_wraps_the_decode_linear_and_unwrap_finds_it(tiny_path):
+    model, _ = load(str(tiny_path))
+    qmm_decode.install(model, formats=ALL_FORMATS)
+    settings = load_settings(tiny_path.parent / "home", cli={"prefill.dense": "on", "compute.upcast_quantized": "off"})
+    report = install_fast_paths(model, settings)
+    assert report.dense_layers
+    for layer in report.dense_layers:
+        assert isinstance(layer, DequantizedPrefill) and isinstance(layer.quantized, DecodeQuantizedLinear)
+        assert unwrap(layer) is layer.quantized
+        part = rows_of(layer, 0, 64).quantized  # the split lanes slice it as any quantized linear
+        assert isinstance(part, DecodeQuantizedLinear) and part.weight.shape[0] == 64
+        x = mx.random.normal((1, 300, part.weight.shape[1] * 8)).astype(mx.bfloat16)
+        assert mx.array_equal(part(x), layer.quantized(x)[..., :64])
+
+def test_installed_after_the_prefill_path_it_replaces_the_wrapped_linear(tiny_path):
+    model, _ = load(str(tiny_path))
+    settings = load_settings(tiny_path.parent / "home", cli={"prefill.dense": "on", "compute.upcast_quantized": "off"})
+    report = install_fast_paths(model, settings)
+    paths = qmm_decode.install(model, formats=ALL_FORMATS)
+    assert paths and all(path.endswith(".quantized") for path in paths)
+    assert all(isinstance(layer.quantized, DecodeQuantizedLinear) for layer in report.dense_layers)
+
+
+def test_only_checked_formats_are_installed_by_default():
+    model = nn.Module()
+    model.a = quantized(bits=4, group=64, dtype=mx.bfloat16)
+    model.b = quantized(bits=4, group=64, dtype=mx.float16)  # not checked on the device
+    assert qmm_decode.install(model) == ["a"]
+    assert type(model.b) is nn.QuantizedLinear
+
+
+# -- gating ----------------------------------------------------------------------------------
+
+def test_gated_off_on_cpu_and_until_validated_on_cuda(tiny_path):
+    model, _ = load(str(tiny_path))
+    spec = qmm_decode.SPEC
+    cpu = decide(spec, "auto", CPU, model=model)
+    assert not cpu.active and "cuda backend" in cpu.reason
+    assert not decide(spec, "on", CPU, model=model).active
+    h200 = decide(spec, "auto", H200, model=model)
+    assert not h200.active and "not validated" in h200.reason
+    forced = decide(spec, "on", H200, model=model)
+    assert forced.active and not forced.validated
+    assert not decide(spec, "auto", H200, model=nn.Linear(8, 8)).active  # nothing to replace
+
+
+def test_install_kernels_leaves_the_model_alone_here(tiny_path):
+    if qmm_decode.kernel_available() == "":
+        pytest.skip("this machine runs CUDA")
+    model, _ = load(str(tiny_path))
+    report = install_kernels(model, None, {"kernels.qmm_decode": "auto"}, kernels=(qmm_decode.SPEC,))
+    assert report.active == []
+    assert all(type(m) is nn.QuantizedLinear for m in quantized_linears(model).values())
+
+
+# -- the source compiles for the H200 --------------------------------------------------------
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
+@pytest.mark.parametrize("tokens,bits,group,dtype", [(1, 4, 64, mx.bfloat16), (9, 8, 32, mx.bfloat16),
+                                                     (17, 4, 128, mx.float16), (64, 8, 64, mx.bfloat16)])
+def test_kernel_compiles_for_sm90_within_its_register_budget(tmp_path, tokens, bits, group, dtype):
+    config = qmm_decode.default_config(tokens, bits)
+    source = tmp_path / "k.cu"
+    source.write_text(qmm_decode.generated_source(config, dtype, bits, group))
+    done = subprocess.run(["nvcc", "-arch=sm_90a", "-cubin", "-Xptxas", "-v", "-o", str(tmp_path / "k.cubin"),
+                           str(source)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    registers = int(re.search(r"Used (\d+) registers", done.stderr).group(1))
+    spilled = int(re.search(r"(\d+) bytes spill stores", done.stderr).group(1))
+    assert registers <= 65536 // (config.threads * config.per_sm)  # the launch bounds took effect
+    assert spilled <= 64
+
+
+# -- the dense copy ----------------------------------------------------------------------------
+
+def test_dense_copy_leaves_other_quantized_subclasses_alone(tiny_path, home):
+    model, _ = load(str(tiny_path))
+    report = install_fast_paths(model, load_settings(home, cli={"compute.upcast_quantized": "on"}))
+    assert report.upcast_layers
+    assert install_dense_copy(model, {"decode.dense_copy": True}).layers == []
+
+
+def test_dense_copy_is_off_by_default(tiny_path, home):
+    model, _ = load(str(tiny_path))
+    report = install_dense_copy(model, load_settings(home))
+    assert report.layers == [] and report.extra_bytes == 0 and "decode.dense_copy" in report.reason
+
+
+def test_dense_copy_computes_decode_on_the_dequantized_weight():
+    plain = quantized(k=256, n=80, bits=4, group=32, bias=True)
+    layer = DenseCopyLinear.of(plain)
+    weight = mx.dequantize(plain.weight, plain.scales, plain.biases, group_size=32, bits=4, dtype=mx.bfloat16)
+    x = mx.random.normal((3, 1, 256)).astype(mx.bfloat16)
+    assert mx.array_equal(layer(x), x @ weight.T + plain.bias)
+    truth = x.astype(mx.float32) @ weight.astype(mx.float32).T + plain.bias.astype(mx.float32)
+    assert mx.max(mx.abs(layer(x).astype(mx.float32) - truth)).item() <= mx.max(mx.abs(truth)).item() / 128
+    assert layer.calls == 2
+    big = mx.random.normal((1, 70, 256)).astype(mx.bfloat16)
+    assert mx.array_equal(layer(big), plain(big))  # prefill-sized: QuantizedLinear's own path
+    assert layer.calls == 2
+
+
+def test_dense_copy_bytes_are_reported_not_counted_as_weights(tiny_path):
+    model, _ = load(str(tiny_path))
+    shapes = [(m.weight.shape[0], m.weight.shape[1] * 32 // m.bits) for m in quantized_linears(model).values()]
+    size = weights_bytes(model)
+    report = install_dense_copy(model, {"decode.dense_copy": True})
+    assert len(report.layers) == len(shapes)
+    assert report.extra_bytes == sum(out * inp * 2 for out, inp in shapes)
+    assert weights_bytes(model) == size
+    assert report.as_dict()["extra_bytes"] == report.extra_bytes
+
+
+def test_dense_copy_greedy_decode_matches_dense_weights(tiny_path):
+    from mlx_lm.generate import generate_step
+
+    def greedy(model):
+        prompt = mx.array([5, 17, 42, 99], dtype=mx.int32)
+        return [int(t) for t, _ in generate_step(prompt, model, max_tokens=64)]
+
+    reference, _ = load(str(tiny_path))
+    for path, module in list(quantized_linears(reference).items()):
+        dense = nn.Linear(1, 1, bias=False)
+        dense.weight = mx.dequantize(module.weight, module.scales, module.biases, group_size=module.group_size,
+                                     bits=module.bits, dtype=module.scales.dtype)
+        replace_module(reference, path, dense)
+    # Prefill of the 4-token prompt runs the copy too (<= 64 tokens), so every product is the same.
+    model, _ = load(str(tiny_path))
+    report = install_dense_copy(model, {"decode.dense_copy": True})
+    assert greedy(model) == greedy(reference)
+    assert sum(layer.calls for layer in report.layers) > 0
+
+
+def test_serve_charges_the_dense_copy_to_the_memory_guard(tiny_path, home, tmp_path):
+    from omlx_core.serve.registry import ModelRegistry
+
+    guard = MemoryGuard(total_bytes=64 * 2**30)
+    # compute.upcast_quantized off: on the CPU backend its float32 layers keep their own compute.
+    registry = ModelRegistry(home, [str(tiny_path)], guard,
+                             cli_settings={"decode.dense_copy": True, "compute.upcast_quantized": "off"})
+    other = shutil.copytree(tiny_path, tmp_path / "other")  # loaded on request: not pinned, evictable
+    loaded = registry.get(str(other))
+    extras = guard.snapshot()["extras"]
+    assert extras[f"decode_dense_copy:{loaded.id}"] == loaded.dense_copy.extra_bytes > 0
+    assert registry.evict_one(set())
+    assert f"decode_dense_copy:{loaded.id}" not in guard.snapshot()["extras"]
+
+
+# -- the device benchmark's exactness check ------------------------------------------------------
+
+def bench():
+    sys.path.insert(0, str(BENCH.parent))
+    import decode
+
+    return decode
+
+
+def test_benchmark_exactness_check_passes_the_dense_path_and_fails_a_wrong_one():
+    decode = bench()
+    cases = [(4, 64, mx.bfloat16, 1088, 1001, (1, 9)), (8, 32, mx.bfloat16, 1056, 17, (3,))]
+    good = decode.run_exact(decode.dense_matmul, cases=cases)
+    assert good["cases"] == 3 and good["failed"] == 0
+
+    def off_by_a_bit(x, wq, scales, biases, group, bits, **_):
+        return decode.dense_matmul(x, wq, scales, biases, group, bits) * 1.03
+
+    bad = decode.run_exact(off_by_a_bit, cases=cases)
+    assert bad["failed"] == 3 and not any(bad["formats"].values())
+
+
+def test_benchmark_refuses_the_kernel_where_it_is_unavailable(tmp_path):
+    if qmm_decode.kernel_available() == "":
+        pytest.skip("this machine runs CUDA")
+    done = subprocess.run([sys.executable, str(BENCH), "--parts", "exact", "--workdir", str(tmp_path)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode != 0
+    assert "qmm_decode kernel is not available" in done.stderr and "--matmul dense" in done.stderr
