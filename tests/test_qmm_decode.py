@@ -298,3 +298,14 @@ def test_benchmark_refuses_the_kernel_where_it_is_unavailable(tmp_path):
                           capture_output=True, text=True, timeout=300)
     assert done.returncode != 0
     assert "qmm_decode kernel is not available" in done.stderr and "--matmul dense" in done.stderr
+
+
+def test_bench_prepares_the_dense_copy_as_serve_does(tiny_path, home):
+    from omlx_core.bench.offline import install_key, prepare_model
+    from omlx_core.models.resolve import ModelRef
+
+    on = load_settings(home, cli={"decode.dense_copy": True, "compute.upcast_quantized": "off"})
+    off = load_settings(home, cli={"compute.upcast_quantized": "off"})
+    assert install_key(on) != install_key(off)  # two variants never share one prepared model
+    prepared = prepare_model(ModelRef(tiny_path.name, tiny_path.name, tiny_path), on)
+    assert any(isinstance(m, DenseCopyLinear) for _, m in prepared.model.named_modules())

@@ -51,6 +51,7 @@ def prepare_model(ref: ModelRef, settings: EffectiveSettings | None) -> Prepared
     from omlx_core.models.load import load_model
     from omlx_core.kernels.registry import install_kernels
     from omlx_core.models.fingerprint import model_fingerprint
+    from omlx_core.decode.dense_copy import install_dense_copy
     from omlx_core.prefill.install import install_prefill
 
     model, tokenizer = load_model(ref)
@@ -59,17 +60,18 @@ def prepare_model(ref: ModelRef, settings: EffectiveSettings | None) -> Prepared
         kernels = install_kernels(model, model_fingerprint(ref.path), settings)
         lanes = install_prefill(model, settings, fp16_clone=is_fp16_clone(ref.path),
                               warmup_tokens=int(settings["prefill.split_min_tokens"]))
+        install_dense_copy(model, settings)  # as serve does (decode.dense_copy)
     vocabulary = ordinary_token_ids(tokenizer, _vocab_size(ref))
     return Prepared(model, tokenizer, vocabulary, set(tokenizer.eos_token_ids), lanes, kernels)
 
 
 def install_key(settings: EffectiveSettings | None) -> tuple:
-    """Settings whose prefill install (lanes, fast paths) and kernels agree share one
-    prepared model."""
+    """Settings whose prefill install (lanes, fast paths), kernels and decode paths agree
+    share one prepared model."""
     if settings is None:
         return ("stock",)
     return tuple((key, str(settings[key])) for key in sorted(settings)
-                 if key.startswith(("prefill.", "kernels.", "compute.")) and key != "prefill.chunk_size")
+                 if key.startswith(("prefill.", "kernels.", "compute.", "decode.")) and key != "prefill.chunk_size")
 
 
 def _run_once(loaded: Prepared, variant: Variant, prompts, gen: int, memory: PeakMemory) -> Measurement:
