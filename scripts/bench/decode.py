@@ -20,7 +20,13 @@ barely helps; omlx's `qmm_decode` kernel (kernels/qmm_decode.cu) and the dense-c
            after a 1k-token context: stock, kernel, dense copy
 
     python scripts/bench/decode.py [--parts exact,greedy,layers,kernels,model] [--tokens 1,2,4,8,16,32,64]
-        [--matmul kernel|dense] [--repeats 5] [--workdir DIR] [--save FILE] [--json]
+        [--matmul kernel|dense] [--quick] [--repeats 5] [--workdir DIR] [--save FILE] [--json]
+
+MLX compiles its CUDA quantized matmul for 8+ tokens at run time (CUTLASS, per shape and
+format: minutes for the whole matrix); `--quick` uses MLX's result only below 8 tokens
+(its precompiled kernel) and the fp32 result everywhere, and skips the launch-shape sweep.
+On the GPU machine run parts as separate processes under `timeout`, so one slow part
+cannot take the others' time (each writes its own --save file).
 
 `--matmul dense` runs exact and greedy with the dense-copy arithmetic instead of the
 kernel (a check of the harness on machines without CUDA); with the kernel unavailable
