@@ -148,7 +148,9 @@ def test_load_time_measurement_of_a_whole_chunk_is_what_the_guard_is_charged(tmp
     path = build_tiny_model("llama", tmp_path / "q", quantized=True, dtype="bfloat16")
     model, _ = load(str(path))
     settings = load_settings(home, cli={"prefill.dense": "on", "prefill.dense_min_tokens": 8,
-                                        "prefill.chunk_size": 64})
+                                        "prefill.chunk_size": 64,
+                                        # the float32 path's own temporaries would hide the dense ones
+                                        "compute.upcast_quantized": "off"})
     report = install_prefill(model, settings, fp16_clone=False, warmup_tokens=8)
     fast = report.fast_paths
     assert report.warmup_s > 0 and fast.dense_layer_bytes > 0 and fast.dense_chunk_bytes > 0
