@@ -155,3 +155,22 @@ def test_candidates_that_do_the_same_work_share_a_key():
         effective_key(default.with_value("chunk_size", 8192), 1000)
     assert effective_key(default.with_value("dense_min_tokens", 2048), 1000) == effective_key(default, 1000)
     assert isinstance(default, Candidate) and default.settings()["prefill.dense"] == "off"
+
+
+def test_with_no_accelerator_the_share_grid_reaches_the_whole_layer(tmp_path):
+    """MLX's own lane is the CPU there, and host BLAS may deserve every channel."""
+    from mlx_lm import load
+
+    from omlx_core.models.testing import build_tiny_model
+    from omlx_core.prefill.plan import find_targets
+
+    model, _ = load(str(build_tiny_model("llama", tmp_path / "m")))
+    targets = find_targets(model)
+    grids = {}
+    for accelerator in (True, False):
+        space = search_space(targets, cpu_lane=(True, "numpy"), fp16_clone=True, quantized=False, max_ctx=1000,
+                             accelerator=accelerator)
+        grids[accelerator] = {c.name: c.values for c in space.controls}
+    assert max(grids[True]["cpu_share.mlp_gate_up"]) < 0.5
+    assert max(grids[False]["cpu_share.mlp_gate_up"]) == 1.0 == max(grids[False]["cpu_share.mlp_down"])
+    assert grids[False]["cpu_share.mlp_gate_up"][0] == 0.0  # the default first

@@ -14,6 +14,7 @@ import mlx.core as mx
 from omlx_core.bench.report import finite, header
 from omlx_core.bench.variants import VariantSpec, variant_settings
 from omlx_core.bench.workload import Workload
+from omlx_core.hardware import mlx_backend
 from omlx_core.tune.measure import Calibrator
 from omlx_core.tune.search import Event, tune
 from omlx_core.tune.space import search_space
@@ -40,7 +41,7 @@ def build_space(ref, settings, max_ctx: int):
     space = search_space(targets, cpu_lane=(lanes["cpu"].eligible, lanes["cpu"].reason),
                          fp16_clone=is_fp16_clone(ref.path),
                          quantized=read_config(ref.path).get("quantization") is not None,
-                         max_ctx=max_ctx)
+                         max_ctx=max_ctx, accelerator=mlx_backend() != "cpu")
     if not lanes["ane"].eligible:
         space.notes.append(f"ane share and topology: not searched, the ane lane is ineligible "
                            f"({lanes['ane'].reason})")

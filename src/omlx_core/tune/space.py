@@ -16,6 +16,9 @@ from omlx_core.settings import BY_KEY
 
 SHARES = ("mlp_gate_up", "mlp_down", "gdn_qkv")
 SHARE_GRID = (0.0, 0.0625, 0.125, 0.25, 0.375)
+# With no accelerator MLX's "gpu" lane is the CPU itself, whose matmul is far slower than host
+# BLAS: there the cpu lane may be worth any share, all of it included.
+CPU_ONLY_SHARE_GRID = (0.0, 0.25, 0.5, 0.75, 1.0)
 CHUNK_GRID = (512, 1024, 2048, 4096, 8192)
 DENSE_GRID = ("off", 256, 512, 1024, 2048)
 OFF = "off"
@@ -81,13 +84,14 @@ class SearchSpace:
 
 
 def search_space(targets, *, cpu_lane: tuple[bool, str], fp16_clone: bool, quantized: bool,
-                 max_ctx: int) -> SearchSpace:
+                 max_ctx: int, accelerator: bool = True) -> SearchSpace:
     """The controls for a model with split `targets` (prefill.plan.find_targets)."""
     default_chunk = int(BY_KEY["prefill.chunk_size"].default)
     chunks = tuple(dict.fromkeys([default_chunk] + [c for c in CHUNK_GRID if c < max_ctx]))
     space = SearchSpace([])
     kinds = {t.kind for t in targets}
     cpu_ok, cpu_reason = cpu_lane
+    share_grid = SHARE_GRID if accelerator else CPU_ONLY_SHARE_GRID
     for kind in SHARES:
         name = f"cpu_share.{kind}"
         if kind not in kinds:
@@ -100,10 +104,10 @@ def search_space(targets, *, cpu_lane: tuple[bool, str], fp16_clone: bool, quant
         elif kind == "gdn_qkv":
             floor = max(t.floor / t.out_features for t in targets if t.kind == kind)
             space.gdn_floor_share = floor
-            grid = sorted({0.0, *(max(s, _ceil_share(floor)) for s in SHARE_GRID if s)})
+            grid = sorted({0.0, *(max(s, _ceil_share(floor)) for s in share_grid if s)})
             space.controls.append(Control(name, tuple(grid), minimum=_ceil_share(floor)))
         else:
-            space.controls.append(Control(name, SHARE_GRID))
+            space.controls.append(Control(name, share_grid))
     space.controls.append(Control("chunk_size", chunks))
     if quantized:
         dense = tuple(v for v in DENSE_GRID if v == OFF or v < max_ctx)
