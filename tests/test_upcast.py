@@ -84,3 +84,17 @@ def test_the_dense_path_and_the_lanes_still_find_upcast_layers(tmp_path):
     assert all(isinstance(layer.quantized, Float32QuantizedLinear) for layer in dense)
     part = rows_of(dense[0].quantized, 0, 64)
     assert isinstance(part, Float32QuantizedLinear)
+
+
+def test_status_says_whether_the_float32_path_is_on(home):
+    import json
+
+    from conftest import omlx_env, run_omlx
+
+    from omlx_core.hardware import mlx_backend
+
+    report = json.loads(run_omlx(home, "status", "--json", check=True).stdout)["fast_paths"]
+    assert report["float32_quantized"] == {"enabled": mlx_backend() == "cpu", "setting": "auto", "min_tokens": 1}
+    off = omlx_env(home, OMLX_COMPUTE_UPCAST_QUANTIZED="off")
+    report = json.loads(run_omlx(home, "status", "--json", env=off, check=True).stdout)["fast_paths"]
+    assert report["float32_quantized"]["enabled"] is False

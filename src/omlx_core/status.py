@@ -12,7 +12,7 @@ from omlx_core.kernels.registry import machine_view
 from omlx_core.home import model_settings_dir, models_dir, settings_path
 from omlx_core.models.resolve import list_model_names
 from omlx_core.models.embedded import EMBEDDED_NAME, embedded_checkpoint
-from omlx_core.prefill.fast_paths import dense_enabled
+from omlx_core.prefill.fast_paths import dense_enabled, upcast_enabled
 from omlx_core.prefill.lanes import lane_statuses
 from omlx_core.settings import load_settings
 from omlx_core.settings.files import global_store, model_store
@@ -96,6 +96,8 @@ def offline_status(home: Path) -> dict:
                                     "min_tokens": settings["prefill.dense_min_tokens"]},
             "chunked_gdn": {"enabled": settings["prefill.chunked_gdn"],
                             "min_tokens": settings["prefill.chunked_gdn_min_tokens"]},
+            "float32_quantized": {"enabled": upcast_enabled(settings),
+                                  "setting": settings["compute.upcast_quantized"], "min_tokens": 1},
         },
         "kernels": machine_view(settings),
         "cluster": cluster_summary(home, settings),
