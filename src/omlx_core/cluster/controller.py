@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 from omlx_core.cluster import inventory, invites, ssh
-from omlx_core.cluster.hosts import primary_address
+from omlx_core.cluster.hosts import is_loopback, primary_address
 from omlx_core.cluster.keys import check_public_key, controller_pair
 from omlx_core.cluster.probe import probe
 from omlx_core.errors import InputError, OmlxError
@@ -27,15 +27,6 @@ def invite(home: Path, settings, ttl_s: float) -> dict:
             "controller_key": key.fingerprint(),
             "note": ("omlx serve listens on loopback only (server.host): only this machine can join; "
                      "serve with --host 0.0.0.0 for other machines") if loopback else None}
-
-
-def is_loopback(host: str) -> bool:
-    import ipaddress
-
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return host == "localhost"
 
 
 def claim(home: Path, settings, code: str, name: str) -> dict:

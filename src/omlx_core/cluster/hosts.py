@@ -34,13 +34,20 @@ def resolve(host: str) -> set[str]:
         return set()
 
 
+def is_loopback(host: str) -> bool:
+    """`localhost` or a loopback IP: reachable from this machine only."""
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
 def is_local_host(host: str) -> bool:
     host = host.strip().strip("[]").lower().rstrip(".")
-    if host in local_names():
+    if host in local_names() or is_loopback(host):
         return True
     try:
-        address = ipaddress.ip_address(host)
-        return address.is_loopback or str(address) in local_addresses()
+        return str(ipaddress.ip_address(host)) in local_addresses()
     except ValueError:
         pass
     addresses = resolve(host)

@@ -16,7 +16,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from omlx_core.cluster.hosts import primary_address, resolve
+from omlx_core.cluster.hosts import is_loopback, primary_address, resolve
 from omlx_core.cluster.inventory import Worker
 from omlx_core.cluster.keys import KeyPair
 from omlx_core.cluster.paths import cluster_dir
@@ -47,7 +47,7 @@ def controller_ip(settings, workers: list[Worker]) -> str:
     else this machine's outgoing address."""
     if settings["cluster.address"]:
         return settings["cluster.address"]
-    if all(ip_of(w.ssh_host).startswith("127.") for w in workers):
+    if all(is_loopback(ip_of(w.ssh_host)) for w in workers):
         return "127.0.0.1"
     return primary_address()
 

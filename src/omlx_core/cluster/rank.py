@@ -18,6 +18,9 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
+DEFAULT_MAX_TOKENS = 256  # when a request names no limit
+
+
 @dataclass
 class Job:
     prompt: list[int]
@@ -89,9 +92,8 @@ def serve_http(jobs: "queue.Queue[Job]", model: ShardedModel, host: str, port: i
     async def _api_error(_, error: APIError):
         return JSONResponse(error.body(), status_code=error.status)
 
-    def generate(prompt, body, limit, job=None):
-        job = job or Job(prompt, limit or 256, body.temperature, body.top_p,
-                  body.seed if body.seed is not None else int(time.time_ns() % 2**31))
+    def generate(job: Job):
+        """(text, finish reason or None) pieces as the group generates `job`'s tokens."""
         jobs.put(job)
         detokenizer = model.tokenizer.detokenizer
         detokenizer.reset()
@@ -107,6 +109,8 @@ def serve_http(jobs: "queue.Queue[Job]", model: ShardedModel, host: str, port: i
 
     def respond(prompt, body, limit, kind):
         created, ident = int(time.time()), f"{kind}-{uuid.uuid4().hex[:12]}"
+        job = Job(prompt, limit or DEFAULT_MAX_TOKENS, body.temperature, body.top_p,
+                  body.seed if body.seed is not None else int(time.time_ns() % 2**31))
 
         def choice(text, finish):
             if kind == "chatcmpl":
@@ -118,18 +122,16 @@ def serve_http(jobs: "queue.Queue[Job]", model: ShardedModel, host: str, port: i
         if body.stream:
             def events():
                 with lock:
-                    for text, finish in generate(prompt, body, limit):
+                    for text, finish in generate(job):
                         yield json.dumps({"id": ident, "object": obj, "created": created, "model": model.id,
                                           "choices": [choice(text, finish)]})
                 yield "[DONE]"
             return EventSourceResponse(events())
         with lock:
             parts, finish = [], "length"
-            job = Job(prompt, limit or 256, body.temperature, body.top_p,
-                      body.seed if body.seed is not None else int(time.time_ns() % 2**31))
-            for text, finish in generate(prompt, body, limit, job):
+            for text, finish in generate(job):
                 parts.append(text)
-            count = job.generated
+        count = job.generated
         text = "".join(parts)
         for stop in body.stop or []:
             if stop in text:

@@ -50,13 +50,17 @@ def pin_host_keys(home: Path, worker: Worker) -> None:
     write_text_atomic(path, "".join(f"{line}\n" for line in kept + [f"{name} {key}" for key in worker.host_keys]))
 
 
+def _ssh_options(home: Path, worker: Worker, timeout_s: float) -> dict[str, str]:
+    """The ssh options every omlx login uses (as `ssh -o` flags and as ssh_config lines)."""
+    return {"IdentitiesOnly": "yes", "BatchMode": "yes", "ConnectTimeout": str(max(1, int(timeout_s))),
+            "StrictHostKeyChecking": "yes" if worker.host_keys else "accept-new",
+            "UserKnownHostsFile": str(known_hosts_path(home)), "GlobalKnownHostsFile": "/dev/null",
+            "LogLevel": "ERROR", "ServerAliveInterval": "5", "ServerAliveCountMax": "2"}
+
+
 def options(home: Path, worker: Worker, key: KeyPair, timeout_s: float) -> list[str]:
-    pinned = "yes" if worker.host_keys else "accept-new"
-    return ["-i", str(key.private), "-o", "IdentitiesOnly=yes", "-o", "BatchMode=yes",
-            "-o", f"ConnectTimeout={max(1, int(timeout_s))}", "-o", f"StrictHostKeyChecking={pinned}",
-            "-o", f"UserKnownHostsFile={known_hosts_path(home)}", "-o", "GlobalKnownHostsFile=/dev/null",
-            "-o", "LogLevel=ERROR", "-o", "ServerAliveInterval=5", "-o", "ServerAliveCountMax=2",
-            "-p", str(worker.ssh_port), "-l", worker.ssh_user]
+    flags = [f for name, value in _ssh_options(home, worker, timeout_s).items() for f in ("-o", f"{name}={value}")]
+    return ["-i", str(key.private), *flags, "-p", str(worker.ssh_port), "-l", worker.ssh_user]
 
 
 def remote_omlx(worker: Worker, *args: str) -> str:
@@ -109,12 +113,10 @@ def launch_environment(home: Path, workers: list[Worker], key: KeyPair, timeout_
     directory = cluster_dir(home)
     blocks = []
     for worker in workers:
-        opts = options(home, worker, key, timeout_s)
-        pairs = [opts[i + 1] for i in range(0, len(opts), 2) if opts[i] == "-o"]
         blocks.append("\n".join([f"Host {alias(worker)}", f"  HostName {worker.ssh_host}",
                                  f"  Port {worker.ssh_port}", f"  User {worker.ssh_user}",
                                  f"  IdentityFile {key.private}",
-                                 *(f"  {pair.replace('=', ' ', 1)}" for pair in pairs)]))
+                                 *(f"  {name} {value}" for name, value in _ssh_options(home, worker, timeout_s).items())]))
     config = directory / "ssh_config"
     write_text_atomic(config, "\n\n".join(blocks) + "\n")
     bin_dir = directory / "bin"
