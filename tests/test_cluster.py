@@ -163,63 +163,39 @@ def test_distributed_serving_is_refused_unless_enabled(joined):
     assert result.returncode == 2 and "cluster.enabled" in result.stderr
 
 
-def test_distributed_serving_generates_the_same_greedy_tokens_as_one_machine(joined):
+def test_distributed_serving_generates_the_same_greedy_tokens_as_one_machine(joined, start_server):
     c = joined
     from mlx_lm import load
     from mlx_lm.generate import generate_step
 
     import mlx.core as mx
+    import psutil
 
     model, tokenizer = load(str(c.model))
     prompt = [1, 5, 9, 14, 3, 7]
     expected = [int(t) for t, _ in generate_step(mx.array(prompt), model, max_tokens=12,
                                                  sampler=lambda x: mx.argmax(x, axis=-1))]
-    port = free_port()
-    env = {**c.env, "OMLX_CLUSTER_ENABLED": "true"}
-    log = open(c.root / "distributed.log", "w+")
-    process = subprocess.Popen([*_omlx(), "serve", "--distributed", "--model", str(c.model), "--port", str(port)],
-                               env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    server = start_server(c.controller, "--distributed", "--model", str(c.model),
+                          env={**c.env, "OMLX_CLUSTER_ENABLED": "true"})
     try:
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline:
-            assert process.poll() is None, _tail(log)
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.3)
-        else:
-            raise AssertionError(_tail(log))
         body = {"prompt": prompt, "max_tokens": 12, "temperature": 0, "ignore_eos": True}
-        response = httpx.post(url + "/v1/completions", json=body, timeout=120)
+        response = httpx.post(server.url + "/v1/completions", json=body, timeout=120)
         assert response.status_code == 200, response.text
         eos = set(tokenizer.eos_token_ids)
         stop = next((i for i, t in enumerate(expected) if t in eos), len(expected))
         assert response.json()["choices"][0]["text"] == tokenizer.decode(expected[:stop])
         assert response.json()["usage"]["completion_tokens"] == min(len(expected), stop + 1)
-        assert "rank 0 of 2" in _tail(log)
+        assert "rank 0 of 2" in server.log()
     finally:
-        import signal
+        server.stop()  # SIGTERM, as a service manager stops it: the ranks must go with it
 
-        os.killpg(process.pid, signal.SIGINT)
-        try:
-            process.wait(15)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-        log.close()
-
-
-def _omlx():
-    import sys
-
-    return [sys.executable, "-m", "omlx_cli"]
-
-
-def _tail(log) -> str:
-    log.flush()
-    log.seek(0)
-    return log.read()[-3000:]
+    def ranks_left():
+        return [p.pid for p in psutil.process_iter(["cmdline"])
+                if "omlx_core.cluster.rank" in " ".join(p.info["cmdline"] or [])]
+    deadline = time.monotonic() + 15
+    while ranks_left() and time.monotonic() < deadline:
+        time.sleep(0.3)
+    assert not ranks_left()
 
 
 def test_key_rotation_needs_confirmation_and_replaces_the_key_everywhere(joined):

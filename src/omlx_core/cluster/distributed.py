@@ -5,6 +5,7 @@ or pipeline) and must sit at the same path on every machine, as `mlx.launch` run
 command line everywhere. Verification is never skipped and never taken from a record.
 """
 
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -45,6 +46,9 @@ def serve_distributed(home: Path, settings, model_path: Path, host: str, port: i
                            ["--model", str(model_path), "--name", name, "--backend", report.backend,
                             "--host", host, "--port", str(port)], float(settings["cluster.verify_timeout_s"]),
                            stdin=subprocess.DEVNULL)
+    def interrupted(*_):
+        raise KeyboardInterrupt
+    signal.signal(signal.SIGTERM, interrupted)  # a service manager's stop must stop the ranks too
     try:
         return process.wait()
     except KeyboardInterrupt:
