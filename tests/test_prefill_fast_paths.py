@@ -1,6 +1,7 @@
 """Fast prefill paths against mlx-lm's reference: chunked gated delta and dequantize-to-dense."""
 
 import mlx.core as mx
+import mlx.nn as nn
 import numpy as np
 import pytest
 from mlx_lm.models.gated_delta import gated_delta_ops
@@ -162,3 +163,36 @@ def test_dense_auto_is_off_on_this_cpu_backend(tmp_path, home):
     report = install_prefill(load(str(path))[0], load_settings(home), fp16_clone=False)
     assert not report.fast_paths.dense_layers
     assert "auto" in report.as_dict()["fast_paths"]["dequantize_to_dense"]["reason"]
+
+
+def test_dense_path_uses_the_dequantize_kernel_only_where_the_registry_activates_it(tmp_path, home):
+    from omlx_core.kernels.registry import install_kernels
+
+    path = build_tiny_model("llama", tmp_path / "q", quantized=True, dtype="bfloat16")
+    settings = load_settings(home, cli={"prefill.dense": "on", "kernels.dequantize": "on"})
+    model, _ = load(str(path))
+    # On this CPU backend the registry keeps MLX's dequantize even when forced on.
+    kernels = install_kernels(model, None, settings)
+    decision = next(d for d in kernels.decisions if d.kernel == "dequantize")
+    assert not decision.active and "cuda" in decision.reason
+    report = install_prefill(model, settings, fp16_clone=False, kernels=kernels)
+    assert report.fast_paths.dense_layers and not any(layer.kernel for layer in report.fast_paths.dense_layers)
+    assert report.as_dict()["fast_paths"]["dequantize_to_dense"]["kernel_layers"] == 0
+
+    # Where the registry activates it (a CUDA report), supported layers take it.
+    forced = install_kernels(model, None, settings, hardware={"backend": "cuda", "arch": "sm_90", "gpu": "X"})
+    assert "dequantize" in forced.active and not forced.replaced.get("dequantize")  # no module of its own
+    layer = report.fast_paths.dense_layers[0].quantized
+    assert DequantizedPrefill(layer, 16, kernel=True).kernel
+    three_bit = nn.QuantizedLinear.from_linear(nn.Linear(64, 32), group_size=32, bits=3)
+    assert not DequantizedPrefill(three_bit, 16, kernel=True).kernel  # MLX's dequantize for it
+
+
+def test_dequantize_kernel_says_which_formats_it_reads():
+    from omlx_core.kernels.dequantize import supported
+
+    assert supported(4, 64, "affine", mx.bfloat16) == "" and supported(8, 128, "affine", mx.float16) == ""
+    assert "3-bit" in supported(3, 64, "affine", mx.bfloat16)
+    assert "groups of 16" in supported(4, 16, "affine", mx.bfloat16)
+    assert "mxfp4" in supported(4, 32, "mxfp4", mx.bfloat16)
+    assert "float32" in supported(4, 64, "affine", mx.float32)

@@ -11,7 +11,9 @@ fast paths set for omlx's variant:
   hybrid  Qwen3.5-27B shape with 16 layers, 4-bit g64: chunked gated delta (on by default)
 
     python scripts/bench/prefill_paths.py [--models dense,hybrid] [--ctx 4k,16k] [--gen 32]
-        [--repeats 3] [--workdir DIR] [--tiny] [--json]
+        [--repeats 3] [--workdir DIR] [--tiny] [--set KEY=VALUE ...] [--json]
+
+`--set` adds settings to omlx's variant (e.g. kernels.dequantize=on, prefill.chunk_size=4096).
 
 Results go to stdout (table or --json); save them under docs/benchmarks/ with the command.
 """
@@ -53,9 +55,10 @@ def checkpoint(name: str, workdir: Path, tiny: bool) -> Path:
 
 def measure(name: str, args) -> dict:
     path = checkpoint(name, Path(args.workdir), args.tiny)
-    settings = load_settings(Path(args.workdir) / "home", cli=SHAPES[name][2])
+    chosen = {**SHAPES[name][2], **dict(item.split("=", 1) for item in args.set)}
+    settings = load_settings(Path(args.workdir) / "home", cli=chosen)
     variants = [Variant(MLX_LM, MLX_LM, "stock stream_generate, default settings"),
-                Variant(OMLX, OMLX, " ".join(f"{k}={v}" for k, v in SHAPES[name][2].items()), settings)]
+                Variant(OMLX, OMLX, " ".join(f"{k}={v}" for k, v in chosen.items()), settings)]
     workload = Workload(tuple(parse_counts(args.ctx, "--ctx")), args.gen, 1, args.repeats, 1)
     document = run_offline(ModelRef(path.name, path.name, path), workload, variants, settings)
     rows = []
@@ -79,6 +82,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--workdir", default="/tmp/omlx-prefill-paths")
     parser.add_argument("--tiny", action="store_true", help="tiny shapes: a quick check on any machine")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="a setting for omlx's variant (repeatable)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     Path(args.workdir).mkdir(parents=True, exist_ok=True)

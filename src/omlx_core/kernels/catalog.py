@@ -8,6 +8,6 @@ mlx-lm's), its source under `kernels/`, a `kernels.<name>` setting in
 
 
 def registered() -> tuple:
-    from omlx_core.kernels import indexer_score, qmm_decode
+    from omlx_core.kernels import dequantize, indexer_score, qmm_decode
 
-    return (indexer_score.SPEC, qmm_decode.SPEC)
+    return (indexer_score.SPEC, qmm_decode.SPEC, dequantize.SPEC)

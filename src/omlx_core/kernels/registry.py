@@ -104,7 +104,9 @@ class KernelSpec:
     validated: tuple[Validation, ...]
     applies: Callable[[Any], bool]  # does this model have the op at all?
     absent: str  # what a model without the op lacks, for "model has no …"
-    install: Callable[[Any], list[str]]  # replace the modules; returns their paths
+    # Replace the modules; returns their paths. None: the kernel replaces no module of its
+    # own, a path that omlx installs calls it when the report names it active.
+    install: Callable[[Any], list[str]] | None
 
     @property
     def backend(self) -> str:
@@ -232,7 +234,7 @@ def install_kernels(model, model_fingerprint: str | None, settings: Mapping, *,
         decision = decide(spec, setting_of(spec, settings), hardware, facts, model)
         if decision.active and not decision.validated:
             log.warning("kernel %s: %s", spec.name, decision.reason)
-        if decision.active:
+        if decision.active and spec.install is not None:
             try:
                 report.replaced[spec.name] = spec.install(model)
             except Exception as error:  # noqa: BLE001 - any failure keeps the ops path

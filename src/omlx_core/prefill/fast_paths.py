@@ -12,7 +12,9 @@ inputs are computed; decode-sized inputs run mlx-lm's own modules.
   install, and, at load, a whole prefill chunk with the path on against off (an
   asynchronous GPU keeps several layers' transients alive at once); the larger figure is
   what the memory guard is charged. `prefill.dense` is `auto` by default: on where it was
-  measured to win (CUDA), off elsewhere until measured there.
+  measured to win (CUDA), off elsewhere until measured there. Where the kernel registry
+  activates `dequantize` (kernels/dequantize.cu), the dense weight is made by that kernel
+  instead of `mx.dequantize`.
 - Chunked gated delta: qwen3_5's linear-attention layers prefill with
   `gated_delta.chunked_gated_delta` instead of the per-token recurrence.
 - Float32 quantized compute (`upcast`): on MLX's CPU backend, 16-bit quantized layers
@@ -33,11 +35,12 @@ from omlx_core.prefill.upcast import rehome, upcast_candidates
 class DequantizedPrefill(nn.Module):
     """A quantized linear whose large inputs run as a dense GEMM on a transient weight."""
 
-    def __init__(self, quantized: nn.QuantizedLinear, min_tokens: int):
+    def __init__(self, quantized: nn.QuantizedLinear, min_tokens: int, kernel: bool = False):
         super().__init__()
         self.quantized = quantized
         self.min_tokens = min_tokens
         self.calls = 0
+        self.kernel = kernel and not fast_dequantize_unsupported(quantized)  # kernels/dequantize.cu
 
     @property
     def dense_bytes(self) -> int:
@@ -53,8 +56,13 @@ class DequantizedPrefill(nn.Module):
         # Depending on x makes the dense weight wait for this layer's input, so the graph
         # never dequantizes every layer up front: one transient weight at a time.
         packed = mx.depends(layer.weight, x)
-        weight = mx.dequantize(packed, layer.scales, layer.biases, group_size=layer.group_size,
-                               bits=layer.bits, mode=layer.mode, dtype=x.dtype)
+        if self.kernel and x.dtype == layer.scales.dtype:
+            from omlx_core.kernels.dequantize import dequantize
+
+            weight = dequantize(packed, layer.scales, layer.biases, layer.group_size, layer.bits, x.dtype)
+        else:
+            weight = mx.dequantize(packed, layer.scales, layer.biases, group_size=layer.group_size,
+                                   bits=layer.bits, mode=layer.mode, dtype=x.dtype)
         out = x @ weight.T
         return out + layer.bias if "bias" in layer else out
 
@@ -68,6 +76,7 @@ class FastPathReport:
     reasons: dict = field(default_factory=dict)
 
     upcast_layers: int = 0
+    dense_kernel: bool = False  # the dense weights come from kernels/dequantize.cu
     dense_layer_bytes: int = 0  # measured at install: one call of the largest dense layer
     dense_chunk_bytes: int = 0  # measured at load: a whole prefill chunk, on against off
 
@@ -85,6 +94,7 @@ class FastPathReport:
                                         "layer_extra_bytes": self.dense_layer_bytes,
                                         "chunk_extra_bytes": self.dense_chunk_bytes,
                                         "calls": sum(layer.calls for layer in self.dense_layers),
+                                        "kernel_layers": sum(layer.kernel for layer in self.dense_layers),
                                         "reason": self.reasons.get("dense", "")},
                 "chunked_gdn": {"layers": len(self.gdn_layers), "min_tokens": self.gdn_min_tokens,
                                 "calls": sum(layer.calls for layer in self.gdn_layers),
@@ -92,8 +102,15 @@ class FastPathReport:
                 "float32_quantized": {"layers": self.upcast_layers, "reason": self.reasons.get("upcast", "")}}
 
 
-def install_fast_paths(model, settings) -> FastPathReport:
-    """Install the paths the settings enable, by module replacement."""
+def fast_dequantize_unsupported(layer: nn.QuantizedLinear) -> str:
+    from omlx_core.kernels.dequantize import supported
+
+    return supported(layer.bits, layer.group_size, layer.mode, layer.scales.dtype)
+
+
+def install_fast_paths(model, settings, kernels=None) -> FastPathReport:
+    """Install the paths the settings enable, by module replacement. `kernels`: the kernel
+    registry's report for this model (`install_kernels`), naming the kernels the paths may use."""
     from omlx_core.prefill.split import replace_module  # split.py builds on this module
 
     report = FastPathReport()
@@ -110,9 +127,10 @@ def install_fast_paths(model, settings) -> FastPathReport:
                                     else "off: compute.upcast_quantized is off")
     if dense_enabled(settings):
         report.dense_min_tokens = int(settings["prefill.dense_min_tokens"])
+        report.dense_kernel = kernels is not None and "dequantize" in kernels.active
         for path, module in list(model.named_modules()):
             if isinstance(module, nn.QuantizedLinear) and module.mode == "affine":
-                layer = DequantizedPrefill(module, report.dense_min_tokens)
+                layer = DequantizedPrefill(module, report.dense_min_tokens, report.dense_kernel)
                 replace_module(model, path, layer)
                 report.dense_layers.append(layer)
         if report.dense_layers:

@@ -75,10 +75,12 @@ def plan_from_settings(settings) -> SplitPlan:
     return SplitPlan({kind: {"cpu": float(settings[f"prefill.cpu_share.{kind}"])} for kind in TARGET_KINDS})
 
 
-def install_prefill(model, settings, *, fp16_clone: bool, warmup_tokens: int = 0) -> LaneReport:
+def install_prefill(model, settings, *, fp16_clone: bool, warmup_tokens: int = 0,
+                    kernels=None) -> LaneReport:
     """Fast paths and lanes as the settings ask, then a warm-up prefill of `warmup_tokens`
-    (on GPU backends always; on the CPU device only when something was installed)."""
-    fast = install_fast_paths(model, settings)
+    (on GPU backends always; on the CPU device only when something was installed).
+    `kernels`: the model's kernel registry report (the fast paths use the active ones)."""
+    fast = install_fast_paths(model, settings, kernels)
     report = install_lanes(model, settings, fp16_clone=fp16_clone)
     report.fast_paths = fast
     installed = report.split_layers or fast.dense_layers or fast.gdn_layers

@@ -119,7 +119,7 @@ class ModelRegistry:
         fingerprint = model_fingerprint(ref.path)
         kernels = install_kernels(model, fingerprint, settings)
         lanes = install_prefill(model, settings, fp16_clone=is_fp16_clone(ref.path),
-                              warmup_tokens=int(settings["prefill.split_min_tokens"]))
+                              warmup_tokens=int(settings["prefill.split_min_tokens"]), kernels=kernels)
         if lanes.extra_bytes:
             self.guard.register_extra(f"prefill_lanes:{ref.name}", lanes.extra_bytes)
         dense_copy = install_dense_copy(model, settings)

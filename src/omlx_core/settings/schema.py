@@ -205,6 +205,7 @@ SETTINGS: tuple[Setting, ...] = (
             "Inputs of at least this many tokens use the chunked gated-delta prefill.", minimum=1),
     kernel_setting("indexer_score", "the deepseek_v41 indexer score (fused, no per-head tensor)"),
     kernel_setting("qmm_decode", "quantized linears at 1..64 tokens (decode), weights streamed once"),
+    kernel_setting("dequantize", "the dense prefill path's dequantize, at HBM bandwidth"),
     Setting("decode.dense_copy", "bool", False,
             "Keep a dense 16-bit copy of every quantized weight for decode-sized inputs (1..64 tokens): "
             "faster batched decode for the copy's memory, which the memory guard is charged."),
