@@ -24,7 +24,7 @@ def test_status_json_is_one_document_with_the_machine_facts(home):
     assert lanes["cpu"]["enabled"] is False  # experimental: off until asked for
     if not (platform.system() == "Darwin" and platform.machine() == "arm64"):
         assert lanes["ane"] == {"name": "ane", "eligible": False, "enabled": False,
-                                "reason": "requires Apple Silicon"}
+                                "reason": "requires macOS on Apple Silicon"}
 
 
 def test_status_text_names_lanes_and_reasons(home):

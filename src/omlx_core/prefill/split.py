@@ -3,13 +3,14 @@
 This is the one way omlx changes a model: a target module is replaced, by name, with a
 `SplitLinear` that keeps the original for decode and small inputs and, for prefill-sized
 inputs, computes the gpu rows with MLX while the cpu lane computes its rows with host BLAS
-on its own thread, then concatenates along the output dimension. mlx-lm's functions are
-never patched.
+and the ane lane its rows with Core ML, each on its own thread, then concatenates along the
+output dimension in slice order. mlx-lm's functions are never patched.
 
 The cpu lane holds its slice as float32 numpy (BLAS has no fast float16 GEMM), made once
-at build time, dequantized when the layer is quantized. If the cpu lane fails, the MLX
-work already queued for the step is evaluated first, then the error is raised with the
-layer's name: no dangling GPU work, never a partial result.
+at build time, dequantized when the layer is quantized; the ane lane's rows come from its
+staged build (`prefill/ane`). If a host lane fails, the MLX work already queued for the
+step is evaluated first, then the error is raised with the layer's name: no dangling GPU
+work, never a partial result.
 """
 
 import threading
@@ -26,17 +27,17 @@ from omlx_core.prefill.plan import Slice
 DEFAULT_MIN_TOKENS = 256
 BUILD_BLOCKS = 8  # a cpu slice is converted in this many row blocks
 
-_executor: ThreadPoolExecutor | None = None
+_executors: dict[str, ThreadPoolExecutor] = {}
 _executor_lock = threading.Lock()
 
 
-def cpu_lane() -> ThreadPoolExecutor:
-    """The cpu lane's one thread: BLAS threads itself; one call at a time keeps order."""
-    global _executor
+def lane_thread(lane: str) -> ThreadPoolExecutor:
+    """A host lane's one thread (cpu: BLAS threads itself; ane: Core ML queues its own
+    work): one call at a time keeps order, and the lanes run beside each other."""
     with _executor_lock:
-        if _executor is None:
-            _executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="omlx-cpu-lane")
-        return _executor
+        if lane not in _executors:
+            _executors[lane] = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"omlx-{lane}-lane")
+        return _executors[lane]
 
 
 def dense_rows(module, start: int, stop: int, dtype=mx.float32) -> mx.array:
@@ -116,21 +117,27 @@ class CpuSlice:
 
 
 class SplitLinear(nn.Module):
-    """A linear whose prefill runs as a gpu slice and a cpu slice at once."""
+    """A linear whose prefill runs as gpu, cpu and ane slices at once."""
 
-    def __init__(self, path: str, original, slices: list[Slice], min_tokens: int = DEFAULT_MIN_TOKENS):
+    def __init__(self, path: str, original, slices: list[Slice], min_tokens: int = DEFAULT_MIN_TOKENS,
+                 ane=None):
         super().__init__()
         self.path = path
         self.original = original
-        self.slices = slices
         self.min_tokens = min_tokens
-        # The gpu rows are sliced per call (views, no copy): a stored part would count the
-        # same weights twice in the model's parameters.
-        self.gpu_rows = next(((s.start, s.stop) for s in slices if s.lane == "gpu"), None)
+        if ane is None:  # no ane procedure for this layer: the gpu computes those rows too
+            slices = [Slice("gpu", s.start, s.stop) if s.lane == "ane" else s for s in slices]
+        self.slices = slices
         cpu = next((s for s in slices if s.lane == "cpu"), None)
         self.cpu = CpuSlice(original, cpu) if cpu else None
+        self.ane = ane  # the ane lane's rows (prefill.ane.lane.AneRows), made by the staged build
         self.calls = 0  # prefill calls that took the split path
         self.freeze()
+
+    @property
+    def gpu_rows(self) -> tuple[int, int] | None:
+        """The first gpu slice (the leading rows), None when the other lanes take them all."""
+        return next(((s.start, s.stop) for s in self.slices if s.lane == "gpu"), None)
 
     @property
     def lane_bytes(self) -> int:
@@ -138,20 +145,30 @@ class SplitLinear(nn.Module):
 
     def __call__(self, x: mx.array) -> mx.array:
         tokens = x.size // x.shape[-1]
-        if tokens < self.min_tokens or self.cpu is None:
+        if tokens < self.min_tokens or (self.cpu is None and self.ane is None):
             return self.original(x)
         self.calls += 1
         mx.eval(x)
         host = np.array(x.astype(mx.float32) if x.dtype != mx.float32 else x)
-        future: Future = cpu_lane().submit(self.cpu, host)
-        gpu_out = rows_of(self.original, *self.gpu_rows)(x) if self.gpu_rows else None
-        if gpu_out is not None:
-            mx.async_eval(gpu_out)
-        try:
-            cpu_out = future.result()
-        except Exception as error:
-            if gpu_out is not None:
-                mx.eval(gpu_out)  # drain what was queued before reporting
-            raise OmlxError(f"prefill cpu lane failed in {self.path}: {type(error).__name__}: {error}") from error
-        cpu_part = mx.array(cpu_out).astype(x.dtype)
-        return cpu_part if gpu_out is None else mx.concatenate([gpu_out, cpu_part], axis=-1)
+        # Host lanes start first, then the gpu slices are queued (views of the weights, no copy).
+        futures: dict[str, Future] = {}
+        if self.cpu is not None:
+            futures["cpu"] = lane_thread("cpu").submit(self.cpu, host)
+        if self.ane is not None:
+            futures["ane"] = lane_thread("ane").submit(self.ane, host, x)
+        gpu = {s.start: rows_of(self.original, s.start, s.stop)(x) for s in self.slices if s.lane == "gpu"}
+        if gpu:
+            mx.async_eval(list(gpu.values()))
+        host_out = {}
+        for lane, future in futures.items():
+            try:
+                host_out[lane] = mx.array(future.result()).astype(x.dtype)
+            except Exception as error:
+                if gpu:
+                    mx.eval(list(gpu.values()))  # drain what was queued before reporting
+                for other in futures.values():
+                    other.exception()  # and let the other host lane finish
+                raise OmlxError(f"prefill {lane} lane failed in {self.path}: "
+                                f"{type(error).__name__}: {error}") from error
+        parts = [gpu[s.start] if s.lane == "gpu" else host_out[s.lane] for s in self.slices]
+        return parts[0] if len(parts) == 1 else mx.concatenate(parts, axis=-1)
