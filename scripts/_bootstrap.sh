@@ -8,7 +8,7 @@ omlx_stamp="$omlx_venv/.omlx-installed"
 
 omlx_backend_extra() {
     case "$(uname -s)" in
-        Darwin) echo "" ;;
+        Darwin) echo ane ;;  # coremltools, for the ANE prefill lane
         Linux) if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then echo cuda; else echo cpu; fi ;;
         *) echo cpu ;;
     esac
