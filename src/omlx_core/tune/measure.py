@@ -31,13 +31,21 @@ class Result:
     peak_bytes: int = 0
     rejected: str | None = None  # why it may not be recommended
     gdn_calls: int = 0  # split gated-delta projections that ran (0: the GDN share did nothing)
+    ane_error: float = 0.0  # worst output relative RMS of the ane lane's INT8 banks (0: no ane)
     seconds: float = 0.0
 
     def as_dict(self) -> dict:
         return {"label": self.label, "settings": self.settings, "prefill_tps": self.prefill_tps,
                 "per_ctx": {str(k): v for k, v in self.per_ctx.items()}, "samples": self.samples,
-                "peak_bytes": self.peak_bytes, "rejected": self.rejected,
+                "peak_bytes": self.peak_bytes, "rejected": self.rejected, "ane_error": self.ane_error,
                 "seconds": round(self.seconds, 3)}
+
+
+def ane_output_error(lanes) -> float:
+    """The approximate lane's cost the tuner weighs: its worst bank's output error."""
+    ane = getattr(lanes, "ane", None)
+    errors = [p.procedure.error.output_rel_rms for p in (ane.loaded if ane else []) if p.procedure.error]
+    return max(errors, default=0.0)
 
 
 class Calibrator:
@@ -95,5 +103,10 @@ class Calibrator:
         if result.peak_bytes > self.hard_bytes:
             result.rejected = (f"peak memory {result.peak_bytes} B crosses the hard watermark "
                                f"({self.hard_bytes} B)")
+        result.ane_error = ane_output_error(lanes)
+        limit = float(self.settings_for(sets)["prefill.ane.max_error"])
+        if result.ane_error > limit and result.rejected is None:
+            result.rejected = (f"the ane lane's INT8 output error {result.ane_error:.4g} (relative RMS) "
+                               f"exceeds prefill.ane.max_error {limit:g}")
         result.seconds = time.perf_counter() - started
         return result

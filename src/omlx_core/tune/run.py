@@ -38,14 +38,11 @@ def build_space(ref, settings, max_ctx: int):
     gc.collect()
     mx.clear_cache()
     lanes = {lane.name: lane for lane in lane_statuses(settings)}
-    space = search_space(targets, cpu_lane=(lanes["cpu"].eligible, lanes["cpu"].reason),
-                         fp16_clone=is_fp16_clone(ref.path),
-                         quantized=read_config(ref.path).get("quantization") is not None,
-                         max_ctx=max_ctx, accelerator=mlx_backend() != "cpu")
-    if not lanes["ane"].eligible:
-        space.notes.append(f"ane share and topology: not searched, the ane lane is ineligible "
-                           f"({lanes['ane'].reason})")
-    return space
+    return search_space(targets, cpu_lane=(lanes["cpu"].eligible, lanes["cpu"].reason),
+                        fp16_clone=is_fp16_clone(ref.path),
+                        quantized=read_config(ref.path).get("quantization") is not None,
+                        max_ctx=max_ctx, accelerator=mlx_backend() != "cpu",
+                        ane_lane=(lanes["ane"].eligible, lanes["ane"].reason))
 
 
 def run_tune(ref, home: Path, workload: Workload, budget_s: float,

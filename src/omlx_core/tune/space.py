@@ -1,12 +1,15 @@
 """What the tuner may change, for this model on this machine, and how a choice becomes settings.
 
-Five controls: the CPU lane's share of MLP gate/up, of MLP down and of the gated-delta
-qkv projection, the prefill chunk size, and the token count from which quantized linears
-take the dequantize-to-dense path ("off" = never). A control that cannot matter here is
-left out with the reason: CPU shares need an FP16 clone and an eligible cpu lane, the GDN
-share needs gated-delta layers (and is never below their structural floor), the dense
-path needs a quantized checkpoint. The default candidate is what `omlx tune` verifies
-against: every channel on the gpu lane, no dequantize-to-dense, the default chunk.
+The controls: the CPU lane's share of MLP gate/up, of MLP down and of the gated-delta
+qkv projection, the same three shares for the ANE lane (Apple Silicon only), the prefill
+chunk size, and the token count from which quantized linears take the dequantize-to-dense
+path ("off" = never). A control that cannot matter here is left out with the reason: CPU
+shares need an FP16 clone and an eligible cpu lane, ANE shares an eligible ane lane (any
+checkpoint: its banks are INT8 requantized, and the calibrator rejects shares whose error
+exceeds prefill.ane.max_error), the GDN share needs gated-delta layers (and is never below
+their structural floor), the dense path needs a quantized checkpoint. The default
+candidate is what `omlx tune` verifies against: every channel on the gpu lane, no
+dequantize-to-dense, the default chunk.
 """
 
 import math
@@ -26,7 +29,7 @@ OFF = "off"
 
 @dataclass(frozen=True)
 class Control:
-    name: str  # cpu_share.<kind> | chunk_size | dense_min_tokens
+    name: str  # cpu_share.<kind> | ane_share.<kind> | chunk_size | dense_min_tokens
     values: tuple  # the coarse grid; the default first
     minimum: float | None = None  # refinement never goes below (the GDN floor)
 
@@ -50,13 +53,15 @@ class Candidate:
         values = dict(self.values)
         sets = {}
         shares = {kind: values.get(f"cpu_share.{kind}", 0.0) for kind in SHARES}
-        if any(shares.values()):
-            sets["prefill.lanes"] = "gpu,cpu"
-            sets["prefill.cpu_sharing.enabled"] = "true"
-        else:
-            sets["prefill.cpu_sharing.enabled"] = "false"
+        ane = {kind: values[f"ane_share.{kind}"] for kind in SHARES if f"ane_share.{kind}" in values}
+        lanes = ["gpu"] + (["cpu"] if any(shares.values()) else []) + (["ane"] if any(ane.values()) else [])
+        if len(lanes) > 1:
+            sets["prefill.lanes"] = ",".join(lanes)
+        sets["prefill.cpu_sharing.enabled"] = "true" if any(shares.values()) else "false"
         for kind, share in shares.items():
             sets[f"prefill.cpu_share.{kind}"] = f"{share:g}"
+        for kind, share in ane.items():
+            sets[f"prefill.ane_share.{kind}"] = f"{share:g}"
         sets["prefill.chunk_size"] = str(values["chunk_size"])
         dense = values.get("dense_min_tokens", OFF)
         sets["prefill.dense"] = "off" if dense == OFF else "on"
@@ -84,7 +89,8 @@ class SearchSpace:
 
 
 def search_space(targets, *, cpu_lane: tuple[bool, str], fp16_clone: bool, quantized: bool,
-                 max_ctx: int, accelerator: bool = True) -> SearchSpace:
+                 max_ctx: int, accelerator: bool = True,
+                 ane_lane: tuple[bool, str] = (False, "not asked")) -> SearchSpace:
     """The controls for a model with split `targets` (prefill.plan.find_targets)."""
     default_chunk = int(BY_KEY["prefill.chunk_size"].default)
     chunks = tuple(dict.fromkeys([default_chunk] + [c for c in CHUNK_GRID if c < max_ctx]))
@@ -108,6 +114,15 @@ def search_space(targets, *, cpu_lane: tuple[bool, str], fp16_clone: bool, quant
             space.controls.append(Control(name, tuple(grid), minimum=_ceil_share(floor)))
         else:
             space.controls.append(Control(name, share_grid))
+    ane_ok, ane_reason = ane_lane
+    for kind in SHARES:
+        name = f"ane_share.{kind}"
+        if not ane_ok:
+            space.notes.append(f"{name}: not searched, the ane lane is ineligible ({ane_reason})")
+        elif kind in kinds:
+            floor = max((t.floor / t.out_features for t in targets if t.kind == kind), default=0.0)
+            grid = sorted({0.0, *(max(s, _ceil_share(floor)) for s in SHARE_GRID if s)})
+            space.controls.append(Control(name, tuple(grid), minimum=_ceil_share(floor) or None))
     space.controls.append(Control("chunk_size", chunks))
     if quantized:
         dense = tuple(v for v in DENSE_GRID if v == OFF or v < max_ctx)
