@@ -84,6 +84,18 @@ def test_off_apple_silicon_the_lane_is_ineligible_and_says_why(home, checkpoints
         runtime.load_package("anything.mlpackage")  # the real guard, before any Core ML call
 
 
+def test_omlx_status_shows_the_ane_lane_line_with_its_reason(home):
+    import platform
+
+    from conftest import omlx_env, run_omlx
+
+    if platform.system() == "Darwin" and platform.machine() == "arm64":
+        pytest.skip("the ane lane is eligible on this machine")
+    result = run_omlx(home, "status", check=True, env=omlx_env(home, COLUMNS="200"))
+    line = next(line for line in result.stdout.splitlines() if line.strip("│ ").startswith("ane "))
+    assert "ineligible" in line and "requires macOS on Apple Silicon" in line
+
+
 def test_without_coremltools_the_lane_says_how_to_install_it_mocked_ane(home, monkeypatch):
     monkeypatch.setattr(lanes_module, "on_apple_silicon", lambda: True)
     monkeypatch.setitem(sys.modules, "coremltools", None)  # blocks the import, as if absent

@@ -68,6 +68,12 @@ def _render_server(url: str, report: dict) -> None:
                       str(model["running"]), _prompt_cache(model["prompt_cache"]),
                       model["active_profile"] or "-", lanes)
     console.print(table)
+    from rich.markup import escape
+
+    for model in report["models"]:  # a lane that built less than asked says which layer, and why
+        for lane in model["prefill"]["lanes"]:
+            for warning in lane.get("warnings", []):
+                console.print(f"[yellow]warning[/]   {model['id']}: {escape(warning)}")
 
 
 def _prompt_cache(cache: dict) -> str:
