@@ -106,8 +106,8 @@ __device__ __forceinline__ void mma<__half>(float* c, const uint32_t* a, uint32_
 // Launch: blockDim.x = 32 * WR * WK; gridDim.x = ceil(N / (16 * R * WR)); gridDim.y = the
 // split of K across CTAs (every slice at most KC inputs); dynamic shared memory
 // max(8 * NT * KC * 2, 8 * NT * (16 * R * WR + 4) * 4) bytes. K is a multiple of 32 and
-// of GS. `locks` holds gridDim.x zeros and is left zero; `partial` holds
-// gridDim.y * M * N floats when gridDim.y > 1.
+// of GS. When gridDim.y > 1, `locks` holds gridDim.x zeros and is left zero and `partial`
+// holds gridDim.y * M * N floats; with one slice per row tile neither is touched (null).
 template <typename T, int BITS, int GS, int NT, int R, int WR, int WK, int U, int KC>
 __device__ __forceinline__ void qmm_decode(
     const T* __restrict__ x, const uint32_t* __restrict__ w, const T* __restrict__ scales,

@@ -179,12 +179,13 @@ def test_install_kernels_leaves_the_model_alone_here(tiny_path):
 # -- the source compiles for the H200 --------------------------------------------------------
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
-@pytest.mark.parametrize("tokens,bits,group,dtype", [(1, 4, 64, mx.bfloat16), (9, 8, 32, mx.bfloat16),
-                                                     (17, 4, 128, mx.float16), (64, 8, 64, mx.bfloat16)])
-def test_kernel_compiles_for_sm90_within_its_register_budget(tmp_path, tokens, bits, group, dtype):
+@pytest.mark.parametrize("tokens,bits,group,dtype,split", [(1, 4, 64, mx.bfloat16, False), (1, 4, 64, mx.bfloat16, True),
+                                                           (9, 8, 32, mx.bfloat16, True), (17, 4, 128, mx.float16, True),
+                                                           (64, 8, 64, mx.bfloat16, False)])
+def test_kernel_compiles_for_sm90_within_its_register_budget(tmp_path, tokens, bits, group, dtype, split):
     config = qmm_decode.default_config(tokens, bits)
     source = tmp_path / "k.cu"
-    source.write_text(qmm_decode.generated_source(config, dtype, bits, group))
+    source.write_text(qmm_decode.generated_source(config, dtype, bits, group, split))
     done = subprocess.run(["nvcc", "-arch=sm_90a", "-cubin", "-Xptxas", "-v", "-o", str(tmp_path / "k.cubin"),
                            str(source)], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]

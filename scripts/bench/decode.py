@@ -54,7 +54,7 @@ import mlx.core as mx  # noqa: E402
 
 from omlx_core.kernels import qmm_decode  # noqa: E402
 
-PARTS = ("exact", "greedy", "layers", "kernels", "model")
+PARTS = ("exact", "greedy", "margins", "layers", "kernels", "model")
 TOKENS = (1, 2, 4, 8, 16, 32, 64)
 LAYERS = ((4096, 4096), (4096, 12288), (12288, 4096))  # (in, out)
 EXACT_TOKENS = (1, 3, 8, 9, 16, 17, 32, 33, 64)
@@ -214,6 +214,100 @@ def run_greedy(matmul_name: str, workdir: Path, count: int = 64, quick: bool = F
                         "kernel_calls": sum(layer.calls for layer in layers)})
         log(f"greedy {arch} {bits}-bit g{group}: identical={stock == ours} "
             f"({results[-1]['kernel_calls']} calls on our path)")
+    return results
+
+
+# -- margins: is a greedy difference a near-tie within rounding? ----------------------------
+
+PROMPTS = (42, 7, 100, 300, 1, 250, 411, 77)  # fixed in advance: every one is reported
+
+
+def forced_logits(model, prompt: int, tokens: list[int]) -> mx.array:
+    """fp32 logits of every decode step along `tokens` (one token per step, as decode)."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    cache = make_prompt_cache(model)
+    rows = []
+    for token in [prompt] + tokens[:-1]:
+        logits = model(mx.array([[token]], dtype=mx.int32), cache=cache)[0, -1].astype(mx.float32)
+        mx.eval(logits)
+        rows.append(logits)
+    return mx.stack(rows)
+
+
+def fp32_reference(model) -> None:
+    """The same model in fp32 with every quantized weight dequantized to fp32: the
+    arithmetic both bf16 paths approximate."""
+    import mlx.nn as nn
+
+    from omlx_core.prefill.split import replace_module
+
+    for path, module in list(model.named_modules()):
+        if isinstance(module, (nn.QuantizedLinear, nn.QuantizedEmbedding)):
+            w = mx.dequantize(module.weight, module.scales, module.get("biases"), group_size=module.group_size,
+                              bits=module.bits, mode=module.mode, dtype=mx.float32)
+            if isinstance(module, nn.QuantizedEmbedding):
+                dense = nn.Embedding(*w.shape)
+            else:
+                dense = nn.Linear(w.shape[1], w.shape[0], bias="bias" in module)
+                if "bias" in module:
+                    dense.bias = module.bias
+            dense.weight = w
+            replace_module(model, path, dense)
+    model.set_dtype(mx.float32)
+
+
+def run_margins(workdir: Path, count: int = 64) -> list[dict]:
+    """For each tiny model and each of PROMPTS (chosen before any run): greedy tokens of
+    stock, the kernel and the dense copy (MLX's own dequantized bf16 arithmetic, a control:
+    no new kernel in it). At the kernel's first difference, along stock's tokens: stock's
+    top-2 margin, the kernel's and stock's largest logit distance from the fp32 reference
+    before that step, and which of the two tokens the fp32 reference prefers."""
+    from mlx_lm.utils import load
+
+    from omlx_core.decode.dense_copy import install_dense_copy
+    from omlx_core.models.testing import build_tiny_model
+
+    results = []
+    for arch in ("llama", "qwen3_5"):
+        path = workdir / f"greedy-{arch}-4bit-g64"
+        if not (path / "config.json").is_file():
+            build_tiny_model(arch, path, quantized=True, bits=4, group_size=64)
+        model, _ = load(str(path))
+        reference, _ = load(str(path))
+        fp32_reference(reference)
+        for prompt in PROMPTS:
+            restore(model)
+            stock = greedy_tokens(model, mx.array([prompt], dtype=mx.int32), count)
+            qmm_decode.install(model, formats=qmm_decode.ALL_FORMATS)
+            ours = greedy_tokens(model, mx.array([prompt], dtype=mx.int32), count)
+            forced_ours = forced_logits(model, prompt, stock)
+            restore(model)
+            install_dense_copy(model, {"decode.dense_copy": True})
+            dense = greedy_tokens(model, mx.array([prompt], dtype=mx.int32), count)
+            restore(model)
+            forced_stock = forced_logits(model, prompt, stock)
+            truth = forced_logits(reference, prompt, stock)
+
+            def first(other):
+                return next((i for i, (a, b) in enumerate(zip(stock, other)) if a != b), None)
+
+            row = {"arch": arch, "prompt": prompt, "kernel_identical": ours == stock, "kernel_first_difference": first(ours),
+                   "dense_copy_identical": dense == stock, "dense_copy_first_difference": first(dense),
+                   "kernel_vs_fp32_max": mx.max(mx.abs(forced_ours - truth)).item(),
+                   "stock_vs_fp32_max": mx.max(mx.abs(forced_stock - truth)).item(),
+                   "kernel_vs_stock_max": mx.max(mx.abs(forced_ours - forced_stock)).item()}
+            if (d := row["kernel_first_difference"]) is not None:
+                top = mx.sort(forced_stock[d])[-2:].tolist()
+                a, b = stock[d], ours[d]
+                row.update(step=d, stock_token=a, kernel_token=b, stock_margin=top[1] - top[0],
+                           kernel_margin=(forced_ours[d, b] - forced_ours[d, a]).item(),
+                           fp32_prefers=a if truth[d, a].item() >= truth[d, b].item() else b,
+                           fp32_margin=abs(truth[d, a].item() - truth[d, b].item()),
+                           kernel_vs_fp32_at_step=mx.max(mx.abs(forced_ours[d] - truth[d])).item(),
+                           stock_vs_fp32_at_step=mx.max(mx.abs(forced_stock[d] - truth[d])).item())
+            results.append(row)
+            log(f"margins {arch} prompt {prompt}: " + json.dumps(row))
     return results
 
 
@@ -463,27 +557,34 @@ def best_configs(rows: list[dict]) -> list[dict]:
 
 # -- model (whole decode step) -------------------------------------------------------------
 
-def decode_step_seconds(model, cache, batch: int, steps: int, repeats: int) -> float:
-    """Median seconds of one greedy decode step at `batch` (the cache is trimmed back)."""
+def decode_step_seconds(model, cache, batch: int, steps: int, repeats: int) -> tuple[float, float]:
+    """Median seconds of one greedy decode step at `batch` (the cache is trimmed back), and
+    of its Python alone: building the step's graph, before `mx.eval` runs any of it (the
+    GPU idles meanwhile, as mx.eval here waits for each step)."""
     token = mx.zeros((batch, 1), dtype=mx.int32)
-    per_step = []
+    per_step, per_build = [], []
     for repeat in range(repeats + 1):  # the first compiles and warms up
         mx.synchronize()
         start = time.perf_counter()
+        build = 0.0
         for _ in range(steps):
+            begin = time.perf_counter()
             logits = model(token, cache=cache)
             token = mx.argmax(logits[:, -1:, :], axis=-1).astype(mx.int32)
+            build += time.perf_counter() - begin
             mx.eval(token)
         mx.synchronize()
         if repeat:
             per_step.append((time.perf_counter() - start) / steps)
+            per_build.append(build / steps)
         for layer_cache in cache:
             layer_cache.trim(steps)
-    return statistics.median(per_step)
+    return statistics.median(per_step), statistics.median(per_build)
 
 
 def run_model(workdir: Path, tiny: bool, batches=(1, 8, 32), ctx: int = 1024, steps: int = 8,
               repeats: int = 3) -> dict:
+    """`*_build_ms`: the step's Python alone (graph construction), inside `*_ms`."""
     from mlx_lm.models.cache import make_prompt_cache
     from mlx_lm.utils import load
 
@@ -500,25 +601,31 @@ def run_model(workdir: Path, tiny: bool, batches=(1, 8, 32), ctx: int = 1024, st
             model(prompt[:, start:start + 256], cache=cache)
             mx.eval([c.state for c in cache])
         row = {"batch": batch, "ctx": ctx}
-        row["stock_ms"] = decode_step_seconds(model, cache, batch, steps, repeats) * 1e3
+
+        def timed(name):
+            seconds, build = decode_step_seconds(model, cache, batch, steps, repeats)
+            row[f"{name}_ms"], row[f"{name}_build_ms"] = seconds * 1e3, build * 1e3
+
+        timed("stock")
         paths = qmm_decode.install(model, formats=qmm_decode.ALL_FORMATS)
-        row["kernel_ms"] = decode_step_seconds(model, cache, batch, steps, repeats) * 1e3
+        timed("kernel")
         row["kernel_layers"] = len(paths)
         restore(model)
         copy = install_dense_copy(model, {"decode.dense_copy": True})
-        row["dense_copy_ms"] = decode_step_seconds(model, cache, batch, steps, repeats) * 1e3
+        timed("dense_copy")
         row["dense_copy_extra_bytes"] = copy.extra_bytes
         del copy
         restore(model)
         for name in ("stock", "kernel", "dense_copy"):
             row[f"{name}_tps"] = batch / row[f"{name}_ms"] * 1e3
         rows.append(row)
-        log(f"model batch {batch}: stock {row['stock_ms']:.2f} ms, kernel {row['kernel_ms']:.2f} ms, "
-            f"dense copy {row['dense_copy_ms']:.2f} ms per step")
+        log(f"model batch {batch}: " + ", ".join(f"{name} {row[name + '_ms']:.2f} ms (Python {row[name + '_build_ms']:.2f})"
+                                               for name in ("stock", "kernel", "dense_copy")) + " per step")
         del cache
         mx.clear_cache()
     return {"model": str(path), "ctx": ctx, "steps": steps, "repeats": repeats,
-            "method": "greedy steps after a ctx-token prefill, median of repeats", "rows": rows}
+            "method": "greedy steps after a ctx-token prefill, median of repeats; *_build_ms: the Python "
+                      "of a step (graph construction before mx.eval), part of *_ms", "rows": rows}
 
 
 def restore(model) -> None:
@@ -584,6 +691,7 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true", help="tiny model for the model part (a quick check)")
     parser.add_argument("--quick", action="store_true",
                         help="no run-time compiles of MLX's larger quantized kernels, no launch-shape sweep")
+    parser.add_argument("--batches", default="1,8,32", help="batch sizes of the model part")
     parser.add_argument("--save", default=None)
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--kernels-child", default=None, help=argparse.SUPPRESS)
@@ -598,7 +706,7 @@ def main() -> None:
     workdir = Path(args.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     matmul = matmul_of(args.matmul)
-    if args.matmul != "kernel" and (timed := [p for p in parts if p in ("layers", "kernels", "model")]):
+    if args.matmul != "kernel" and (timed := [p for p in parts if p in ("margins", "layers", "kernels", "model")]):
         raise SystemExit(f"decode.py: --parts {','.join(timed)} time the kernel itself; --matmul dense "
                          "checks exact and greedy only")
     result = {"command": " ".join(sys.argv), "hardware": hardware(), "matmul": args.matmul}
@@ -614,12 +722,14 @@ def main() -> None:
                 result["exact"] = run_exact(matmul, quick=args.quick)
             elif part == "greedy":
                 result["greedy"] = run_greedy(args.matmul, workdir, quick=args.quick)
+            elif part == "margins":
+                result["margins"] = run_margins(workdir)
             elif part == "layers":
                 result["layers"] = run_layers(tokens, args.repeats)
             elif part == "kernels":
                 result["kernels"] = run_kernels(tokens, args.quick)
             elif part == "model":
-                result["model"] = run_model(workdir, args.tiny)
+                result["model"] = run_model(workdir, args.tiny, tuple(int(b) for b in args.batches.split(",")))
         except Exception as error:  # noqa: BLE001 - one failed part must not lose the others
             result[part] = {"error": f"{type(error).__name__}: {error}"}
             log(f"{part} failed: {type(error).__name__}: {error}")

@@ -127,36 +127,56 @@ def kernel_available() -> str:
     return "" if backend == "cuda" else f"needs MLX's CUDA backend (mx.fast.cuda_kernel); this MLX runs on {backend}"
 
 
-INPUTS = ("x", "w", "scales", "biases", "locks")
-OUTPUTS = ("out", "partial")
+def inputs(split: bool) -> tuple:
+    """The kernel's inputs: the split of K across CTAs also needs the row tiles' counters."""
+    return ("x", "w", "scales", "biases", "locks") if split else ("x", "w", "scales", "biases")
 
 
-def body(config: Config, dtype: mx.Dtype, bits: int, group_size: int) -> str:
+def outputs(split: bool) -> tuple:
+    """Its outputs: split, also the slices' fp32 partial sums (one slice needs none)."""
+    return ("out", "partial") if split else ("out",)
+
+
+def kernel_name(config: Config, dtype: mx.Dtype, bits: int, group_size: int, split: bool) -> str:
+    return config.name(dtype, bits, group_size) + ("" if split else "_whole")
+
+
+def body(config: Config, dtype: mx.Dtype, bits: int, group_size: int, split: bool = True) -> str:
+    """The kernel body: M is every leading dimension of x (a [B, L, K] input is launched
+    as it is, no reshape), K its last, N the weight's rows."""
     c = config
-    return (f"omlx_qmm::qmm_decode<{DTYPES[dtype]}, {bits}, {group_size}, {c.tiles}, {c.rows}, {c.warps_n}, "
-            f"{c.warps_k}, {c.rounds}, {c.slice_k}>(x, w, scales, biases, locks, out, partial, "
-            "x_shape[0], x_shape[1], w_shape[0]);")
+    extra = "locks, out, partial" if split else "nullptr, out, nullptr"
+    return ("int M = 1;\nfor (int i = 0; i + 1 < x_ndim; ++i) M *= x_shape[i];\n"
+            f"omlx_qmm::qmm_decode<{DTYPES[dtype]}, {bits}, {group_size}, {c.tiles}, {c.rows}, {c.warps_n}, "
+            f"{c.warps_k}, {c.rounds}, {c.slice_k}>(x, w, scales, biases, {extra}, "
+            "M, x_shape[x_ndim - 1], w_shape[0]);")
 
 
-def launch_bounds(config: Config, dtype: mx.Dtype, bits: int, group_size: int) -> str:
+def parameters(dtype: mx.Dtype, split: bool) -> str:
+    """The generated kernel's parameter list, as MLX 0.32 writes it for `body`."""
+    t = DTYPES[dtype]
+    text = (f"    const {t}* x,\n    const __grid_constant__ Shape x_shape,\n    const __grid_constant__ int x_ndim,\n"
+            f"    const uint32_t* w,\n    const __grid_constant__ Shape w_shape,\n"
+            f"    const {t}* scales,\n    const {t}* biases,\n")
+    if split:
+        return text + f"    const int32_t* locks,\n    {t}* out,\n    float* partial)"
+    return text + f"    {t}* out)"
+
+
+def launch_bounds(config: Config, dtype: mx.Dtype, bits: int, group_size: int, split: bool = True) -> str:
     """A declaration of MLX's generated kernel with launch bounds (MLX writes the
     definition without any): the register budget that lets several CTAs share an SM."""
-    t = DTYPES[dtype]
-    per_sm = config.per_sm
     return ("namespace mlx::core::cu {\n"
-            f"__global__ void __launch_bounds__({config.threads}, {per_sm}) "
-            f"custom_kernel_{config.name(dtype, bits, group_size)}(\n"
-            f"    const {t}* x,\n    const __grid_constant__ Shape x_shape,\n"
-            f"    const uint32_t* w,\n    const __grid_constant__ Shape w_shape,\n"
-            f"    const {t}* scales,\n    const {t}* biases,\n    const int32_t* locks,\n"
-            f"    {t}* out,\n    float* partial);\n"
+            f"__global__ void __launch_bounds__({config.threads}, {config.per_sm}) "
+            f"custom_kernel_{kernel_name(config, dtype, bits, group_size, split)}(\n"
+            f"{parameters(dtype, split)};\n"
             "}  // namespace mlx::core::cu\n")
 
 
-def header(config: Config, dtype: mx.Dtype, bits: int, group_size: int) -> str:
+def header(config: Config, dtype: mx.Dtype, bits: int, group_size: int, split: bool = True) -> str:
     from omlx_core.kernels.registry import kernel_source
 
-    return kernel_source(SOURCE) + "\n" + launch_bounds(config, dtype, bits, group_size)
+    return kernel_source(SOURCE) + "\n" + launch_bounds(config, dtype, bits, group_size, split)
 
 
 STANDALONE_PRELUDE = """#include <cuda_bf16.h>
@@ -167,27 +187,25 @@ namespace mlx::core::cu { using Shape = cuda::std::array<int32_t, 10>; }
 """
 
 
-def generated_source(config: Config, dtype: mx.Dtype, bits: int, group_size: int,
+def generated_source(config: Config, dtype: mx.Dtype, bits: int, group_size: int, split: bool = True,
                      prelude: str = STANDALONE_PRELUDE) -> str:
     """The translation unit mx.fast.cuda_kernel compiles (its wrapper written out the way
     MLX 0.32 writes it), with `prelude` for MLX's device header: for `nvcc -arch=sm_90a`
     on a machine with no GPU."""
-    t = DTYPES[dtype]
-    params = (f"    const {t}* x,\n    const __grid_constant__ Shape x_shape,\n    const uint32_t* w,\n"
-              f"    const __grid_constant__ Shape w_shape,\n    const {t}* scales,\n    const {t}* biases,\n"
-              f"    const int32_t* locks,\n    {t}* out,\n    float* partial) {{\n")
-    return (prelude + header(config, dtype, bits, group_size)
+    return (prelude + header(config, dtype, bits, group_size, split)
             + "namespace mlx::core::cu {\n\nnamespace cg = cooperative_groups;\n\n"
-            + f"__global__ void custom_kernel_{config.name(dtype, bits, group_size)}(\n" + params
-            + body(config, dtype, bits, group_size) + "\n}\n\n} // namespace mlx::core::cu\n")
+            + f"__global__ void custom_kernel_{kernel_name(config, dtype, bits, group_size, split)}(\n"
+            + parameters(dtype, split) + " {\n"
+            + body(config, dtype, bits, group_size, split) + "\n}\n\n} // namespace mlx::core::cu\n")
 
 
 @lru_cache(maxsize=None)
-def _kernel(config: Config, dtype: mx.Dtype, bits: int, group_size: int):
+def _kernel(config: Config, dtype: mx.Dtype, bits: int, group_size: int, split: bool):
     return mx.fast.cuda_kernel(
-        name=config.name(dtype, bits, group_size), input_names=list(INPUTS), output_names=list(OUTPUTS),
-        source=body(config, dtype, bits, group_size), header=header(config, dtype, bits, group_size),
-        ensure_row_contiguous=True, shared_memory=config.shared_bytes)
+        name=kernel_name(config, dtype, bits, group_size, split), input_names=list(inputs(split)),
+        output_names=list(outputs(split)), source=body(config, dtype, bits, group_size, split),
+        header=header(config, dtype, bits, group_size, split), ensure_row_contiguous=True,
+        shared_memory=config.shared_bytes)
 
 
 def lock_count(n: int) -> int:
@@ -195,10 +213,46 @@ def lock_count(n: int) -> int:
     return math.ceil(n / 16)
 
 
+@dataclass(frozen=True)
+class Launch:
+    """Everything one call of a layer shape and token count needs, worked out once: the
+    per-call Python is what a decode step of a few hundred linears pays for each of them."""
+
+    kernel: object
+    grid: tuple
+    threadgroup: tuple
+    out_dtypes: list
+    partial: int  # floats of the split-K partial sums; 0: one slice, no counters, no partials
+
+    def __call__(self, x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, locks, n: int) -> mx.array:
+        shape = (*x.shape[:-1], n)
+        if self.partial:
+            return self.kernel(inputs=[x, w, scales, biases, locks], output_shapes=[shape, (self.partial,)],
+                               output_dtypes=self.out_dtypes, grid=self.grid, threadgroup=self.threadgroup)[0]
+        return self.kernel(inputs=[x, w, scales, biases], output_shapes=[shape], output_dtypes=self.out_dtypes,
+                           grid=self.grid, threadgroup=self.threadgroup)[0]
+
+
+@lru_cache(maxsize=4096)
+def launch_for(n: int, k: int, tokens: int, dtype: mx.Dtype, bits: int, group_size: int,
+               config: Config | None = None) -> Launch:
+    if why := kernel_available():  # checked once per shape: launches are cached
+        raise OmlxError(f"qmm_decode {why}")
+    config = config or default_config(tokens, bits)
+    if 8 * config.tiles < tokens:
+        raise OmlxError(f"qmm_decode: config for {8 * config.tiles} tokens given {tokens}")
+    splits = config.splits(n, k)
+    split = splits > 1
+    return Launch(_kernel(config, dtype, bits, group_size, split),
+                  (math.ceil(n / config.block_n) * config.threads, splits, 1), (config.threads, 1, 1),
+                  [dtype, mx.float32] if split else [dtype], splits * tokens * n if split else 0)
+
+
 def quantized_matmul_decode(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array,
                             group_size: int, bits: int, *, locks: mx.array | None = None,
                             config: Config | None = None, ctas: int | None = None) -> mx.array:
-    """`mx.quantized_matmul(x, w, scales, biases, transpose=True, ...)` for 1..64 tokens.
+    """`mx.quantized_matmul(x, w, scales, biases, transpose=True, ...)` for 1..64 tokens,
+    with every argument checked (DecodeQuantizedLinear checks its layer once instead).
 
     `locks`: int32 zeros, `lock_count(N)` of them, owned by the caller and never used by
     two calls at once (the kernel leaves them zero); without it a fresh zero buffer is
@@ -218,31 +272,23 @@ def quantized_matmul_decode(x: mx.array, w: mx.array, scales: mx.array, biases: 
     if w.shape[1] * 32 // bits != k or k % group_size or scales.shape != (n, k // group_size):
         raise OmlxError(f"qmm_decode: weight {w.shape}, scales {scales.shape} do not fit {k} inputs "
                         f"at {bits} bits, group size {group_size}")
-    config = config or default_config(tokens, bits)
     if ctas is not None:
-        config = replace(config, ctas=ctas)
-    if 8 * config.tiles < tokens:
-        raise OmlxError(f"qmm_decode: config for {8 * config.tiles} tokens given {tokens}")
-    splits = config.splits(n, k)
+        config = replace(config or default_config(tokens, bits), ctas=ctas)
     if locks is None:
         locks = mx.zeros((lock_count(n),), dtype=mx.int32)
-    out, _ = _kernel(config, x.dtype, bits, group_size)(
-        inputs=[x.reshape(tokens, k), w, scales, biases, locks],
-        output_shapes=[(tokens, n), (splits * tokens * n if splits > 1 else 1,)],
-        output_dtypes=[x.dtype, mx.float32],
-        grid=(math.ceil(n / config.block_n) * config.threads, splits, 1),
-        threadgroup=(config.threads, 1, 1))
-    return out.reshape(*x.shape[:-1], n)
+    return launch_for(n, k, tokens, x.dtype, bits, group_size, config)(x, w, scales, biases, locks, n)
 
 
 class DecodeQuantizedLinear(nn.QuantizedLinear):
     """A QuantizedLinear whose inputs of 1..`max_tokens` tokens run the decode kernel.
 
-    A row slice made by the split lanes (`split.rows_of`, which keeps the class) has the
-    class defaults and no counters of its own: its kernel calls get fresh ones."""
+    A row slice made by the split lanes (`split.rows_of`, which keeps the class, for
+    prefill) has the class defaults: no checked dtype and no counters, so it computes
+    through QuantizedLinear's own path."""
 
     max_tokens = MAX_TOKENS
     calls = 0
+    _dtype = None  # the activation dtype the kernel computes for this layer (None: never)
 
     @classmethod
     def of(cls, layer: nn.QuantizedLinear, max_tokens: int = MAX_TOKENS) -> "DecodeQuantizedLinear":
@@ -253,6 +299,9 @@ class DecodeQuantizedLinear(nn.QuantizedLinear):
         module.group_size, module.bits, module.mode = layer.group_size, layer.bits, layer.mode
         module.max_tokens = max_tokens
         module.calls = 0  # inputs that took the kernel
+        # Inputs of another dtype (or a layer the kernel cannot read) keep QuantizedLinear's path.
+        module._dtype = None if supported(layer.scales.dtype, layer.scales.dtype, layer.bits, layer.group_size,
+                                          layer.mode) or layer.get("biases") is None else layer.scales.dtype
         # Underscored: not a parameter (not saved, not counted as weights).
         module._locks = mx.zeros((lock_count(layer.weight.shape[0]),), dtype=mx.int32)
         mx.eval(module._locks)
@@ -260,17 +309,21 @@ class DecodeQuantizedLinear(nn.QuantizedLinear):
         return module
 
     def uses_kernel(self, x: mx.array) -> bool:
-        tokens = x.size // x.shape[-1]
-        return 1 <= tokens <= self.max_tokens and not supported(x.dtype, self.scales.dtype, self.bits,
-                                                                self.group_size, self.mode)
+        return self._dtype is not None and 1 <= x.size // x.shape[-1] <= self.max_tokens and x.dtype == self._dtype
 
     def __call__(self, x: mx.array) -> mx.array:
-        if not self.uses_kernel(x):
+        # The layer was checked when it was built, the kernel's availability with the first
+        # launch of a shape; per call only the token count and the activation dtype are (a
+        # decode step makes a few hundred of these calls: their Python is on its critical path).
+        k = x.shape[-1]
+        tokens = x.size // k
+        if self._dtype is None or tokens > self.max_tokens or tokens < 1 or x.dtype != self._dtype:
             return super().__call__(x)
         self.calls += 1
-        out = quantized_matmul_decode(x, self.weight, self.scales, self.biases, self.group_size,
-                                      self.bits, locks=self.get("_locks"))
-        return out + self.bias if "bias" in self else out
+        w, scales, biases = self["weight"], self["scales"], self["biases"]
+        out = launch_for(w.shape[0], k, tokens, x.dtype, self.bits, self.group_size)(
+            x, w, scales, biases, self["_locks"], w.shape[0])
+        return out + self["bias"] if "bias" in self else out
 
 
 def plain(module) -> nn.Module:
