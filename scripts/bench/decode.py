@@ -257,12 +257,13 @@ def fp32_reference(model) -> None:
     model.set_dtype(mx.float32)
 
 
-def run_margins(workdir: Path, count: int = 64) -> list[dict]:
+def run_margins(workdir: Path, matmul_name: str = "kernel", count: int = 64) -> list[dict]:
     """For each tiny model and each of PROMPTS (chosen before any run): greedy tokens of
     stock, the kernel and the dense copy (MLX's own dequantized bf16 arithmetic, a control:
     no new kernel in it). At the kernel's first difference, along stock's tokens: stock's
     top-2 margin, the kernel's and stock's largest logit distance from the fp32 reference
-    before that step, and which of the two tokens the fp32 reference prefers."""
+    before that step, and which of the two tokens the fp32 reference prefers. With
+    `--matmul dense` (no CUDA) the dense copy takes the kernel's place ("kernel_*" fields)."""
     from mlx_lm.utils import load
 
     from omlx_core.decode.dense_copy import install_dense_copy
@@ -279,7 +280,10 @@ def run_margins(workdir: Path, count: int = 64) -> list[dict]:
         for prompt in PROMPTS:
             restore(model)
             stock = greedy_tokens(model, mx.array([prompt], dtype=mx.int32), count)
-            qmm_decode.install(model, formats=qmm_decode.ALL_FORMATS)
+            if matmul_name == "dense":
+                install_dense_copy(model, {"decode.dense_copy": True})
+            else:
+                qmm_decode.install(model, formats=qmm_decode.ALL_FORMATS)
             ours = greedy_tokens(model, mx.array([prompt], dtype=mx.int32), count)
             forced_ours = forced_logits(model, prompt, stock)
             restore(model)
@@ -706,9 +710,9 @@ def main() -> None:
     workdir = Path(args.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     matmul = matmul_of(args.matmul)
-    if args.matmul != "kernel" and (timed := [p for p in parts if p in ("margins", "layers", "kernels", "model")]):
+    if args.matmul != "kernel" and (timed := [p for p in parts if p in ("layers", "kernels", "model")]):
         raise SystemExit(f"decode.py: --parts {','.join(timed)} time the kernel itself; --matmul dense "
-                         "checks exact and greedy only")
+                         "checks exact, greedy and margins only")
     result = {"command": " ".join(sys.argv), "hardware": hardware(), "matmul": args.matmul}
 
     def save() -> None:
@@ -723,7 +727,7 @@ def main() -> None:
             elif part == "greedy":
                 result["greedy"] = run_greedy(args.matmul, workdir, quick=args.quick)
             elif part == "margins":
-                result["margins"] = run_margins(workdir)
+                result["margins"] = run_margins(workdir, args.matmul)
             elif part == "layers":
                 result["layers"] = run_layers(tokens, args.repeats)
             elif part == "kernels":
