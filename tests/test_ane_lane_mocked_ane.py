@@ -287,3 +287,11 @@ def test_the_calibrator_rejects_ane_shares_above_the_error_limit_mocked_ane(home
     assert error == max(p.procedure.error.output_rel_rms for p in report.ane.loaded) > 0
     assert ane_output_error(install_lanes(load(str(checkpoints["llama"]))[0], load_settings(home),
                                           fp16_clone=False)) == 0.0
+
+
+def test_dual_ane_is_automatic_on_ultra_chips_only():
+    from omlx_core.prefill.ane.install import dual_ane
+
+    assert dual_ane("auto", "Apple M2 Ultra") and dual_ane("auto", "Apple M1 Ultra")
+    assert not dual_ane("auto", "Apple M3 Max") and not dual_ane("auto", "AMD EPYC 7B13")
+    assert dual_ane("on", "Apple M3 Max") and not dual_ane("off", "Apple M2 Ultra")
