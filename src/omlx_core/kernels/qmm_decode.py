@@ -314,6 +314,8 @@ class DecodeQuantizedLinear(nn.QuantizedLinear):
         # Underscored: not a parameter (not saved, not counted as weights).
         module._locks = mx.zeros((lock_count(layer.weight.shape[0]),), dtype=mx.int32)
         mx.eval(module._locks)
+        # This layer's launches by token count, a plain attribute (outside the module tree).
+        object.__setattr__(module, "_launches", {})
         module.freeze()
         return module
 
@@ -329,9 +331,11 @@ class DecodeQuantizedLinear(nn.QuantizedLinear):
         if self._dtype is None or tokens > self.max_tokens or tokens < 1 or x.dtype != self._dtype:
             return super().__call__(x)
         object.__setattr__(self, "calls", self.calls + 1)  # Module.__setattr__ costs microseconds
-        w, scales, biases = self["weight"], self["scales"], self["biases"]
-        out = launch_for(w.shape[0], k, tokens, x.dtype, self.bits, self.group_size)(
-            x, w, scales, biases, self["_locks"], w.shape[0])
+        w = self["weight"]
+        launch = self._launches.get(tokens)
+        if launch is None:
+            launch = self._launches[tokens] = launch_for(w.shape[0], k, tokens, x.dtype, self.bits, self.group_size)
+        out = launch(x, w, self["scales"], self["biases"], self["_locks"], w.shape[0])
         return out + self["bias"] if "bias" in self else out
 
 
