@@ -10,6 +10,10 @@ barely helps; omlx's `qmm_decode` kernel (kernels/qmm_decode.cu) and the dense-c
            is max |ours - mlx| / max |mlx| <= 1/128 (two bf16 roundings of the largest output)
   greedy   64-token greedy decode of tiny llama and qwen3_5 models, stock against the
            kernel installed: identical tokens
+  margins  whether greedy differences are near-ties: 8 fixed prompts x tiny llama and
+           qwen3_5 (4-bit g64), stock vs kernel vs dense copy (MLX's own dequantized bf16
+           arithmetic, the control), and at the kernel's first difference the logit
+           margins against a fp32 reference model (dequantized weights, fp32 activations)
   layers   per layer, chained in one graph (what a decode step sees, CPU launch cost
            included): 4096x4096, 4096x12288 and 12288x4096 (in x out) at M = 1..64 tokens:
            MLX qmm, ours, dense bf16; 12288x4096 is measured as (up, down) pairs minus up
@@ -17,10 +21,11 @@ barely helps; omlx's `qmm_decode` kernel (kernels/qmm_decode.cu) and the dense-c
            flushed before each kernel, so weights come from HBM), with a sweep of the
            kernel's launch shapes; skipped with the reason where ncu is absent
   model    a generated Qwen3-8B-shape 4-bit g64 model: one decode step at batch 1, 8, 32
-           after a 1k-token context: stock, kernel, dense copy
+           after a 1k-token context: stock, kernel, dense copy; each with the step's
+           Python (graph construction) alone, the part the kernel's wrapper adds to
 
-    python scripts/bench/decode.py [--parts exact,greedy,layers,kernels,model] [--tokens 1,2,4,8,16,32,64]
-        [--matmul kernel|dense] [--quick] [--repeats 5] [--workdir DIR] [--save FILE] [--json]
+    python scripts/bench/decode.py [--parts exact,greedy,margins,layers,kernels,model] [--tokens 1,2,4,8,16,32,64]
+        [--batches 1,8,32] [--matmul kernel|dense] [--quick] [--repeats 5] [--workdir DIR] [--save FILE] [--json]
 
 MLX compiles its CUDA quantized matmul for 8+ tokens at run time (CUTLASS, per shape and
 format: minutes for the whole matrix); `--quick` uses MLX's result only below 8 tokens
@@ -28,7 +33,7 @@ format: minutes for the whole matrix); `--quick` uses MLX's result only below 8 
 On the GPU machine run parts as separate processes under `timeout`, so one slow part
 cannot take the others' time (each writes its own --save file).
 
-`--matmul dense` runs exact and greedy with the dense-copy arithmetic instead of the
+`--matmul dense` runs exact, greedy and margins with the dense-copy arithmetic instead of the
 kernel (a check of the harness on machines without CUDA); with the kernel unavailable
 the script refuses. Results: stdout (summary, or one JSON document with --json);
 `--save FILE` also writes the JSON after every part.

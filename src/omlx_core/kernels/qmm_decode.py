@@ -390,9 +390,14 @@ def _spec():
         name="qmm_decode",
         replaces="mx.quantized_matmul of affine 4/8-bit quantized linears (group 32/64/128) at 1..64 tokens",
         source=SOURCE,
-        # Exactness passed on the H200 (docs/benchmarks/decode-h200-qmm.json); the 64-token
-        # greedy decode and the whole-model decode step are not measured there yet, so no
-        # (model, hardware) pair is recorded: auto keeps MLX's kernel, `on` runs this one.
+        # Exactness passed on the H200 (docs/benchmarks/decode-h200-qmm.json), but no
+        # (model, hardware) pair is recorded, so auto keeps MLX's kernel (`on` runs this one):
+        # the whole-model batch-1 step is still slower than stock there (10.0 vs 8.1 ms,
+        # docs/benchmarks/decode-h200-model-host.json: the per-call Python, not the GPU), and
+        # greedy on the tiny qwen3_5 differs from stock at step 5 (decode-h200-greedy.json).
+        # That difference looks like a near-tie: MLX's own dequantized-bf16 path differs from
+        # stock on every prompt of both tiny models too (decode-cpu-margins.json, CPU); the
+        # bench's margins part measures it on the GPU and has not run there yet.
         validated=(),
         applies=applies,
         absent="affine 4- or 8-bit quantized linears with bf16 scales (group 32, 64 or 128)",
