@@ -101,6 +101,35 @@ def test_every_launch_shape_fits_its_shared_memory_and_reaches_the_cta_target(n,
     assert ctas >= min(config.ctas, math.ceil(n / config.block_n) * max(1, blocks // config.warps_k))
 
 
+def test_a_launch_carries_partials_and_counters_only_when_k_is_split_mocked_cuda(monkeypatch):
+    # Mocked: MLX's CUDA backend cannot exist here; the stand-in kernel records its call.
+    calls = []
+
+    def kernel(config, dtype, bits, group_size, split):
+        def run(inputs, output_shapes, output_dtypes, grid, threadgroup):
+            calls.append({"split": split, "inputs": len(inputs), "shapes": output_shapes, "grid": grid})
+            return [mx.zeros(shape, dtype=d) for shape, d in zip(output_shapes, output_dtypes)]
+        return run
+
+    monkeypatch.setattr(qmm_decode, "kernel_available", lambda: "")
+    monkeypatch.setattr(qmm_decode, "_kernel", kernel)
+    qmm_decode.launch_for.cache_clear()
+    try:
+        wide = DecodeQuantizedLinear.of(quantized(k=4096, n=4096))  # 256 CTAs already: K whole
+        narrow = DecodeQuantizedLinear.of(quantized(k=4096, n=128))  # 8 CTAs: K split
+        x = mx.zeros((2, 1, 4096), dtype=mx.bfloat16)
+        assert wide(x).shape == (2, 1, 4096) and narrow(x).shape == (2, 1, 128)  # no reshape of x
+        assert calls[0]["split"] is False and calls[0]["inputs"] == 4 and calls[0]["shapes"] == [(2, 1, 4096)]
+        splits = calls[1]["grid"][1]
+        assert calls[1]["split"] is True and calls[1]["inputs"] == 5 and splits > 1
+        assert calls[1]["shapes"] == [(2, 1, 128), (splits * 2 * 128,)]
+        wide(x)
+        assert wide.calls == 2 and list(wide._launches) == [2]  # one launch per token count, reused
+        assert type(wide(mx.zeros((2, 1, 4096), dtype=mx.float16))) is mx.array and wide.calls == 2  # fp16: MLX's path
+    finally:
+        qmm_decode.launch_for.cache_clear()
+
+
 # -- module replacement and composition ----------------------------------------------------
 
 def test_install_replaces_quantized_linears_with_the_same_arrays(tiny_path):
