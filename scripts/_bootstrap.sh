@@ -27,7 +27,33 @@ omlx_python() {
     return 1
 }
 
+# Install a Debian package once, when running as root with apt (as on CI); else say why not.
+# Usage: omlx_apt_once PACKAGE WHY
+omlx_apt_once() {
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+        echo "omlx: installing $1 ($2); this happens once" >&2
+        (apt-get install -y -q "$1" >/dev/null 2>&1 ||
+            { apt-get update -q >/dev/null 2>&1 && apt-get install -y -q "$1" >/dev/null 2>&1; }) && return 0
+        echo "omlx: could not install $1 ($2)" >&2
+    else
+        echo "omlx: $1 is not installed ($2): install it with your package manager" >&2
+    fi
+    return 1
+}
+
+# MLX's Linux wheels link the reference BLAS; omlx_core loads OpenBLAS under it when present
+# (src/omlx_core/blas.py), which makes MLX's CPU matmul 10-50x faster.
+omlx_system_blas() {
+    [ "$(uname -s)" = Linux ] || return 0
+    [ "${OMLX_BLAS:-auto}" = auto ] || return 0
+    local dir="/usr/lib/$(uname -m)-linux-gnu"
+    [ -e "$dir/openblas-pthread/libopenblas.so.0" ] || [ -e "$dir/openblas-openmp/libopenblas.so.0" ] ||
+        [ -e "$dir/libopenblas.so.0" ] && return 0
+    omlx_apt_once libopenblas0-pthread "an optimized BLAS for MLX's CPU matmul" || true
+}
+
 omlx_bootstrap() {
+    omlx_system_blas
     local wanted="" extra
     for extra in "$(omlx_backend_extra)" "$@"; do
         [ -n "$extra" ] && wanted="$wanted $extra"

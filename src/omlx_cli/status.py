@@ -109,6 +109,11 @@ def _render(report: dict) -> None:
     memory = report["memory"]
     console.print(f"memory    {format_bytes(memory['available_bytes'])} available of "
                   f"{format_bytes(memory['total_bytes'])}")
+    blas = report["blas"]
+    if blas["loaded"] or "not needed" in blas["reason"]:
+        console.print(f"blas      {blas['reason']}")
+    else:
+        console.print(f"blas      [yellow]{blas['reason']}[/]")
     console.print(f"home      {report['home']}")
     for file in report["settings_files"]:
         state = ("[green]valid[/]" if file["valid"] else f"[red]invalid[/]: {file['problem']}") \

@@ -6,3 +6,8 @@ try:
     __version__ = version("omlx")
 except PackageNotFoundError:  # running from a source tree without installing
     __version__ = "0.0.0+unknown"
+
+# Before anything imports mlx.core: MLX's Linux CPU matmul then runs on an optimized BLAS.
+from omlx_core.blas import load_optimized_blas  # noqa: E402
+
+load_optimized_blas()

@@ -12,6 +12,7 @@ from omlx_core.kernels.registry import machine_view
 from omlx_core.home import model_settings_dir, models_dir, settings_path
 from omlx_core.models.resolve import list_model_names
 from omlx_core.models.embedded import EMBEDDED_NAME, embedded_checkpoint
+from omlx_core.blas import blas_state
 from omlx_core.prefill.fast_paths import dense_enabled, upcast_enabled
 from omlx_core.prefill.lanes import lane_statuses
 from omlx_core.settings import load_settings
@@ -81,6 +82,7 @@ def offline_status(home: Path) -> dict:
         "hardware": info,
         "hardware_fingerprint": hardware_fingerprint(info),
         "memory": {"total_bytes": memory.total, "available_bytes": memory.available},
+        "blas": blas_state().as_dict(),
         "home": str(home),
         "settings_files": files,
         "models": models,

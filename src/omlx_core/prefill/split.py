@@ -94,7 +94,7 @@ class CpuSlice:
         module = unwrap(module)
         # Converted in row blocks straight into the lane's array, so the build never holds
         # more than a fraction of one slice in MLX memory on top of the model.
-        self.weight = np.empty((piece.size, module.weight.shape[1] * (32 // module.bits)
+        self.weight = np.empty((piece.size, module.weight.shape[1] * 32 // module.bits
                                 if isinstance(module, nn.QuantizedLinear) else module.weight.shape[1]),
                                dtype=np.float32)
         step = -(-piece.size // BUILD_BLOCKS)
