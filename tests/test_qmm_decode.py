@@ -230,13 +230,14 @@ def test_dense_copy_leaves_other_quantized_subclasses_alone(tiny_path, home):
     model, _ = load(str(tiny_path))
     report = install_fast_paths(model, load_settings(home, cli={"compute.upcast_quantized": "on"}))
     assert report.upcast_layers
-    assert install_dense_copy(model, {"decode.dense_copy": True}).layers == []
+    # The 16-bit (CUDA) copy keeps their compute; the CPU backend's float32 copy replaces them.
+    assert install_dense_copy(model, {"compute.dense_copy": "on"}, backend="cuda").layers == []
 
 
-def test_dense_copy_is_off_by_default(tiny_path, home):
+def test_dense_copy_is_off_by_default_on_cuda(tiny_path, home):
     model, _ = load(str(tiny_path))
-    report = install_dense_copy(model, load_settings(home))
-    assert report.layers == [] and report.extra_bytes == 0 and "decode.dense_copy" in report.reason
+    report = install_dense_copy(model, load_settings(home), backend="cuda")
+    assert report.layers == [] and report.extra_bytes == 0 and "compute.dense_copy is auto" in report.reason
 
 
 def test_dense_copy_computes_decode_on_the_dequantized_weight():
@@ -257,7 +258,7 @@ def test_dense_copy_bytes_are_reported_not_counted_as_weights(tiny_path):
     model, _ = load(str(tiny_path))
     shapes = [(m.weight.shape[0], m.weight.shape[1] * 32 // m.bits) for m in quantized_linears(model).values()]
     size = weights_bytes(model)
-    report = install_dense_copy(model, {"decode.dense_copy": True})
+    report = install_dense_copy(model, {"compute.dense_copy": "on"}, backend="cuda")
     assert len(report.layers) == len(shapes)
     assert report.extra_bytes == sum(out * inp * 2 for out, inp in shapes)
     assert weights_bytes(model) == size
@@ -279,7 +280,7 @@ def test_dense_copy_greedy_decode_matches_dense_weights(tiny_path):
         replace_module(reference, path, dense)
     # Prefill of the 4-token prompt runs the copy too (<= 64 tokens), so every product is the same.
     model, _ = load(str(tiny_path))
-    report = install_dense_copy(model, {"decode.dense_copy": True})
+    report = install_dense_copy(model, {"compute.dense_copy": "on"}, backend="cuda")
     assert greedy(model) == greedy(reference)
     assert sum(layer.calls for layer in report.layers) > 0
 
@@ -290,13 +291,13 @@ def test_serve_charges_the_dense_copy_to_the_memory_guard(tiny_path, home, tmp_p
     guard = MemoryGuard(total_bytes=64 * 2**30)
     # compute.upcast_quantized off: on the CPU backend its float32 layers keep their own compute.
     registry = ModelRegistry(home, [str(tiny_path)], guard,
-                             cli_settings={"decode.dense_copy": True, "compute.upcast_quantized": "off"})
+                             cli_settings={"compute.dense_copy": "on", "compute.upcast_quantized": "off"})
     other = shutil.copytree(tiny_path, tmp_path / "other")  # loaded on request: not pinned, evictable
     loaded = registry.get(str(other))
     extras = guard.snapshot()["extras"]
-    assert extras[f"decode_dense_copy:{loaded.id}"] == loaded.dense_copy.extra_bytes > 0
+    assert extras[f"dense_copy:{loaded.id}"] == loaded.dense_copy.extra_bytes > 0
     assert registry.evict_one(set())
-    assert f"decode_dense_copy:{loaded.id}" not in guard.snapshot()["extras"]
+    assert f"dense_copy:{loaded.id}" not in guard.snapshot()["extras"]
 
 
 # -- the device benchmark's exactness check ------------------------------------------------------
@@ -334,7 +335,7 @@ def test_bench_prepares_the_dense_copy_as_serve_does(tiny_path, home):
     from omlx_core.bench.offline import install_key, prepare_model
     from omlx_core.models.resolve import ModelRef
 
-    on = load_settings(home, cli={"decode.dense_copy": True, "compute.upcast_quantized": "off"})
+    on = load_settings(home, cli={"compute.dense_copy": "on", "compute.upcast_quantized": "off"})
     off = load_settings(home, cli={"compute.upcast_quantized": "off"})
     assert install_key(on) != install_key(off)  # two variants never share one prepared model
     prepared = prepare_model(ModelRef(tiny_path.name, tiny_path.name, tiny_path), on)

@@ -3,7 +3,7 @@
 
 Why: at decode sizes MLX's quantized matmul runs far below memory bandwidth, so batching
 barely helps; omlx's `qmm_decode` kernel (kernels/qmm_decode.cu) and the dense-copy path
-(decode.dense_copy) are meant to fix that. This measures, in one run:
+(compute.dense_copy) are meant to fix that. This measures, in one run:
 
   exact    the kernel against mx.quantized_matmul: 4/8 bits x group 32/64/128, bf16 (and
            fp16), odd N, K not a multiple of the 128-input tile, 1..64 tokens; the check
@@ -207,7 +207,7 @@ def run_greedy(matmul_name: str, workdir: Path, count: int = 64, quick: bool = F
         prompt = mx.array([42], dtype=mx.int32)
         stock = greedy_tokens(model, prompt, count)
         if matmul_name == "dense":
-            layers = install_dense_copy(model, {"decode.dense_copy": True}).layers
+            layers = install_dense_copy(model, {"compute.dense_copy": "on"}, backend="cuda").layers
         else:
             paths = qmm_decode.install(model, formats=qmm_decode.ALL_FORMATS)
             modules = dict(model.named_modules())
@@ -286,13 +286,13 @@ def run_margins(workdir: Path, matmul_name: str = "kernel", count: int = 64) -> 
             restore(model)
             stock = greedy_tokens(model, mx.array([prompt], dtype=mx.int32), count)
             if matmul_name == "dense":
-                install_dense_copy(model, {"decode.dense_copy": True})
+                install_dense_copy(model, {"compute.dense_copy": "on"}, backend="cuda")
             else:
                 qmm_decode.install(model, formats=qmm_decode.ALL_FORMATS)
             ours = greedy_tokens(model, mx.array([prompt], dtype=mx.int32), count)
             forced_ours = forced_logits(model, prompt, stock)
             restore(model)
-            install_dense_copy(model, {"decode.dense_copy": True})
+            install_dense_copy(model, {"compute.dense_copy": "on"}, backend="cuda")
             dense = greedy_tokens(model, mx.array([prompt], dtype=mx.int32), count)
             restore(model)
             forced_stock = forced_logits(model, prompt, stock)
@@ -620,7 +620,7 @@ def run_model(workdir: Path, tiny: bool, batches=(1, 8, 32), ctx: int = 1024, st
         timed("kernel")
         row["kernel_layers"] = len(paths)
         restore(model)
-        copy = install_dense_copy(model, {"decode.dense_copy": True})
+        copy = install_dense_copy(model, {"compute.dense_copy": "on"}, backend="cuda")
         timed("dense_copy")
         row["dense_copy_extra_bytes"] = copy.extra_bytes
         del copy

@@ -60,7 +60,7 @@ def prepare_model(ref: ModelRef, settings: EffectiveSettings | None) -> Prepared
         kernels = install_kernels(model, model_fingerprint(ref.path), settings)
         lanes = install_prefill(model, settings, fp16_clone=is_fp16_clone(ref.path),
                               warmup_tokens=int(settings["prefill.split_min_tokens"]), kernels=kernels)
-        install_dense_copy(model, settings)  # as serve does (decode.dense_copy)
+        install_dense_copy(model, settings)  # as serve does (compute.dense_copy)
     vocabulary = ordinary_token_ids(tokenizer, _vocab_size(ref))
     return Prepared(model, tokenizer, vocabulary, set(tokenizer.eos_token_ids), lanes, kernels)
 

@@ -124,7 +124,7 @@ class ModelRegistry:
             self.guard.register_extra(f"prefill_lanes:{ref.name}", lanes.extra_bytes)
         dense_copy = install_dense_copy(model, settings)
         if dense_copy.extra_bytes:
-            self.guard.register_extra(f"decode_dense_copy:{ref.name}", dense_copy.extra_bytes)
+            self.guard.register_extra(f"dense_copy:{ref.name}", dense_copy.extra_bytes)
         loaded = LoadedModel(
             ref=ref, model=model, tokenizer=tokenizer, fingerprint=fingerprint,
             settings=settings, kv=kv_profile(model), weights_bytes=size, lanes=lanes,
@@ -147,7 +147,7 @@ class ModelRegistry:
         self.guard.release_weights(victim.id)
         self.guard.release_extra(f"prefix_cache:{victim.id}")
         self.guard.release_extra(f"prefill_lanes:{victim.id}")
-        self.guard.release_extra(f"decode_dense_copy:{victim.id}")
+        self.guard.release_extra(f"dense_copy:{victim.id}")
         if victim.generator is not None:
             victim.generator.close()
         victim.prompt_cache.close(timeout=None)  # pending writes finish in the background

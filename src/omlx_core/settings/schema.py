@@ -224,9 +224,11 @@ SETTINGS: tuple[Setting, ...] = (
     kernel_setting("indexer_score", "the deepseek_v41 indexer score (fused, no per-head tensor)"),
     kernel_setting("qmm_decode", "quantized linears at 1..64 tokens (decode), weights streamed once"),
     kernel_setting("dequantize", "the dense prefill path's dequantize, at HBM bandwidth"),
-    Setting("decode.dense_copy", "bool", False,
-            "Keep a dense 16-bit copy of every quantized weight for decode-sized inputs (1..64 tokens): "
-            "faster batched decode for the copy's memory, which the memory guard is charged."),
+    Setting("compute.dense_copy", "choice", "auto",
+            "Keep a dense copy of every quantized weight (charged to the memory guard): float32 for every "
+            "input on MLX's CPU backend, the scales' dtype for decode-sized inputs (1..64 tokens) elsewhere; "
+            "auto = on on the CPU backend with an optimized BLAS when the copies fit in a quarter of memory.",
+            choices=("auto", "on", "off")),
     Setting("models.default", "str", "default", "Model used when a command names none."),
     Setting("models.pinned", "list", [], "Models omlx serve keeps loaded."),
     Setting("cluster.enabled", "bool", False, "Experimental: distributed inference over enrolled workers."),
