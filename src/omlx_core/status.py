@@ -62,6 +62,17 @@ def cluster_summary(home: Path, settings) -> dict:
             else f"serve --distributed verifies {len(workers)} worker(s) before it starts"}
 
 
+def _dense_copy(settings, backend: str) -> dict:
+    from omlx_core.decode.dense_copy import plan_for
+
+    plan, reason = plan_for(settings, backend)
+    if plan is not None:
+        sizes = "every input" if backend == "cpu" else f"1..{plan.max_tokens} tokens"
+        reason = f"dense copies of quantized weights compute {sizes}"
+    return {"enabled": plan is not None, "setting": settings["compute.dense_copy"], "min_tokens": 1,
+            "reason": reason}
+
+
 def offline_status(home: Path) -> dict:
     from omlx_core.serve.remote import probe_server
 
@@ -100,6 +111,7 @@ def offline_status(home: Path) -> dict:
                             "min_tokens": settings["prefill.chunked_gdn_min_tokens"]},
             "float32_quantized": {"enabled": upcast_enabled(settings),
                                   "setting": settings["compute.upcast_quantized"], "min_tokens": 1},
+            "dense_copy": _dense_copy(settings, info["backend"]),
         },
         "kernels": machine_view(settings),
         "cluster": cluster_summary(home, settings),

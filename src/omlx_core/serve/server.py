@@ -94,6 +94,7 @@ class Server:
                 "active_profile": model.settings.profile,
                 "prefill": _prefill(model),
                 "kernels": model.kernels.as_dict()["kernels"],
+                "dense_copy": model.dense_copy.as_dict() if model.dense_copy else None,
             })
         return {
             "version": __version__, "uptime_s": round(time.time() - self.started_at, 3),
