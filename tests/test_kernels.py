@@ -331,3 +331,31 @@ def test_fusable_says_why_not():
     if mx.default_device() == mx.cpu:
         assert indexer_score.fusable(q, keys) == "the kernel runs on CUDA only"
     assert indexer_score.SPEC.applies(Toy()) is False
+
+
+def test_every_model_match_covers_any_architecture_on_its_hardware_only():
+    from omlx_core.kernels.registry import ModelFacts
+
+    match = ModelMatch.every_model()
+    assert match.matches(ModelFacts(None, "llama", {})) and match.matches(ModelFacts("mf-x", None, {}))
+    assert match.describe() == "every model"
+    spec_ = KernelSpec("exact_op", "an op", "dequantize.cu", (Validation(match, HardwareMatch("cuda", "sm_90")),),
+                       applies=lambda model: True, absent="the op", install=None)
+    assert decide(spec_, "auto", H200, ModelFacts(None, "qwen3_5", {})).active
+    assert not decide(spec_, "auto", A100, ModelFacts(None, "qwen3_5", {})).active
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3_5"])
+def test_dequantize_kernel_is_active_on_the_h200_for_quantized_models_only(arch, tmp_path):
+    from mlx_lm.utils import load
+
+    from omlx_core.kernels import dequantize
+    from omlx_core.models.testing import build_tiny_model
+
+    quantized, _ = load(str(build_tiny_model(arch, tmp_path / "q", quantized=True)))
+    plain, _ = load(str(build_tiny_model(arch, tmp_path / "f")))
+    facts = model_facts(quantized, None)
+    assert decide(dequantize.SPEC, "auto", H200, facts, quantized).active
+    assert not decide(dequantize.SPEC, "auto", H100, facts, quantized).active  # validated on the H200 only
+    assert not decide(dequantize.SPEC, "auto", H200, model_facts(plain, None), plain).active
+    assert not decide(dequantize.SPEC, "auto", CPU, facts, quantized).active

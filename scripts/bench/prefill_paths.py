@@ -24,11 +24,12 @@ import sys
 from pathlib import Path
 
 from omlx_core.bench.offline import run_offline
-from omlx_core.bench.variants import MLX_LM, OMLX, Variant
+from omlx_core.bench.variants import MLX_LM, OMLX, Variant, parse_set
 from omlx_core.bench.workload import Workload
 from omlx_core.models.resolve import ModelRef
 from omlx_core.models.testing import build_tiny_model
 from omlx_core.settings import load_settings
+from omlx_core.settings.schema import lookup
 from omlx_core.units import parse_counts
 
 SHAPES = {
@@ -55,7 +56,7 @@ def checkpoint(name: str, workdir: Path, tiny: bool) -> Path:
 
 def measure(name: str, args) -> dict:
     path = checkpoint(name, Path(args.workdir), args.tiny)
-    chosen = {**SHAPES[name][2], **dict(item.split("=", 1) for item in args.set)}
+    chosen = {**SHAPES[name][2], **{key: lookup(key).parse(value) for key, value in map(parse_set, args.set)}}
     settings = load_settings(Path(args.workdir) / "home", cli=chosen)
     variants = [Variant(MLX_LM, MLX_LM, "stock stream_generate, default settings"),
                 Variant(OMLX, OMLX, " ".join(f"{k}={v}" for k, v in chosen.items()), settings)]

@@ -19,6 +19,9 @@ Model matches come in two granularities, on purpose:
   checkpoint would keep a kernel validated on the real shapes off for every copy,
   quantization or fine-tune of the model. The listed config values are the shapes the
   validation covered; a model with other values stays on the ops path.
+- `ModelMatch.every_model()`: for a kernel whose output is bit-identical to the op it
+  replaces for every format it accepts (checked over all of them on the hardware): its
+  result cannot depend on the model, only the hardware needs a record.
 
 Hardware matches name the backend and, optionally, the GPU architecture (`sm_90`, or an
 Apple GPU family) and the exact GPU name (`NVIDIA H200`, `Apple M3 Max`);
@@ -37,6 +40,7 @@ from omlx_core.errors import OmlxError
 log = logging.getLogger("omlx.kernels")
 
 CHOICES = ("auto", "on", "off")
+EVERY_MODEL = "*"  # ModelMatch.every_model()
 BACKEND_OF_SOURCE = {".cu": "cuda", ".metal": "metal"}
 
 
@@ -52,6 +56,10 @@ class ModelMatch:
     def architecture(cls, model_type: str, **config) -> "ModelMatch":
         return cls(model_type=model_type, config=tuple(sorted(config.items())))
 
+    @classmethod
+    def every_model(cls) -> "ModelMatch":
+        return cls(model_type=EVERY_MODEL)
+
     def __post_init__(self):
         if (self.fingerprint is None) == (self.model_type is None):
             raise ValueError("a ModelMatch names either a fingerprint or a model_type")
@@ -59,12 +67,16 @@ class ModelMatch:
     def matches(self, facts: "ModelFacts") -> bool:
         if self.fingerprint is not None:
             return facts.fingerprint == self.fingerprint
+        if self.model_type == EVERY_MODEL:
+            return True
         return facts.model_type == self.model_type and all(
             facts.config.get(key) == value for key, value in self.config)
 
     def describe(self) -> str:
         if self.fingerprint is not None:
             return self.fingerprint
+        if self.model_type == EVERY_MODEL:
+            return "every model"
         values = ", ".join(f"{key}={value}" for key, value in self.config)
         return f"{self.model_type}" + (f" ({values})" if values else "")
 
