@@ -107,3 +107,15 @@ def test_off_leaves_the_model_alone(tied):
     before = quantized_layers(model)
     report = install_dense_copy(model, {"compute.dense_copy": "off"}, backend="cpu")
     assert not report.layers and report.extra_bytes == 0 and quantized_layers(model) == before
+
+
+def test_split_lanes_slice_the_copy_instead_of_making_it_again(tied):
+    from omlx_core.prefill.split import rows_of
+
+    model, _ = load(str(tied))
+    install_dense_copy(model, ON, backend="cpu")
+    layer = next(m for _, m in model.named_modules() if isinstance(m, DenseCopyLinear))
+    part = rows_of(layer, 8, 24)
+    assert isinstance(part, DenseCopyLinear) and part._dense.shape[0] == 16
+    x = mx.random.normal((1, 40, layer._dense.shape[1]), key=mx.random.key(4))
+    assert mx.allclose(part(x), layer(x)[..., 8:24], atol=1e-5)

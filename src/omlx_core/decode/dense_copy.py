@@ -89,6 +89,21 @@ class DenseCopyLinear(nn.QuantizedLinear):
         _adopt(module, layer, dtype or layer.scales.dtype, max_tokens, ("weight", "scales", "biases", "bias"))
         return module
 
+    def rows(self, start: int, stop: int) -> "DenseCopyLinear":
+        """Rows [start, stop) as a DenseCopyLinear of slices (the split lanes' gpu rows)."""
+        part = DenseCopyLinear.__new__(DenseCopyLinear)
+        nn.Module.__init__(part)
+        for key in ("weight", "scales", "biases", "bias"):
+            if key in self and self[key] is not None:
+                part[key] = self[key][start:stop]
+        part.group_size, part.bits, part.mode = self.group_size, self.bits, self.mode
+        part.max_tokens, part.calls = self.max_tokens, 0
+        part._dense = self._dense[start:stop]
+        part._dense_t = part._dense.T
+        object.__setattr__(part, "_dtype", self._dtype)
+        part.freeze()
+        return part
+
     @property
     def copy_bytes(self) -> int:
         return self._dense.nbytes

@@ -20,6 +20,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
 
+from omlx_core.decode.dense_copy import DenseCopyLinear
 from omlx_core.errors import OmlxError
 from omlx_core.prefill.fast_paths import DequantizedPrefill, unwrap
 from omlx_core.prefill.plan import Slice
@@ -54,7 +55,9 @@ def dense_rows(module, start: int, stop: int, dtype=mx.float32) -> mx.array:
 def rows_of(module, start: int, stop: int) -> nn.Module:
     """A linear computing rows [start, stop) only; its arrays are slices of the original's."""
     if isinstance(module, DequantizedPrefill):  # the gpu rows keep the dense prefill path
-        return DequantizedPrefill(rows_of(module.quantized, start, stop), module.min_tokens)
+        return DequantizedPrefill(rows_of(module.quantized, start, stop), module.min_tokens, module.kernel)
+    if isinstance(module, DenseCopyLinear):  # and the dense copy, sliced, not made again
+        return module.rows(start, stop)
     if isinstance(module, nn.QuantizedLinear):
         part = type(module).__new__(type(module))  # keeps a float32-compute subclass (upcast)
         nn.Module.__init__(part)
