@@ -57,3 +57,13 @@ def test_status_reports_the_blas(home):
 
     report = json.loads(run_omlx(home, "status", "--json", check=True).stdout)
     assert set(report["blas"]) == {"loaded", "library", "reason"} and report["blas"]["reason"]
+
+
+@pytest.mark.skipif(not OPENBLAS, reason="no OpenBLAS installed (apt install libopenblas0-pthread)")
+def test_the_blas_loads_only_when_mlx_is_imported():
+    code = ("import omlx_core, omlx_core.settings\n"
+            "maps = lambda: any('libopenblas' in line for line in open('/proc/self/maps'))\n"
+            "before = maps()\nimport mlx.core\nprint(before, maps())")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120,
+                          env={**os.environ, "OMLX_BLAS": "auto"})
+    assert done.stdout.split() == ["False", "True"]  # commands without MLX skip OpenBLAS's start-up

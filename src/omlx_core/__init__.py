@@ -7,7 +7,7 @@ try:
 except PackageNotFoundError:  # running from a source tree without installing
     __version__ = "0.0.0+unknown"
 
-# Before anything imports mlx.core: MLX's Linux CPU matmul then runs on an optimized BLAS.
-from omlx_core.blas import load_optimized_blas  # noqa: E402
+# Just before mlx.core is first imported: MLX's Linux CPU matmul then runs on an optimized BLAS.
+from omlx_core.blas import load_before_mlx  # noqa: E402
 
-load_optimized_blas()
+load_before_mlx()

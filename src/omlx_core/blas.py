@@ -9,9 +9,12 @@ the linker searches the process's global scope before a library's own dependenci
 loading an optimized BLAS with RTLD_GLOBAL before `mlx.core` is first imported makes MLX
 call it. Nothing of MLX is patched; the same symbols come from a faster library.
 
-`omlx_core/__init__` calls `load_optimized_blas()` once, before any MLX import. Where no
-optimized BLAS is installed, or MLX was imported first, or `OMLX_BLAS=off`, MLX keeps its
-reference BLAS and `omlx status` says so with the fix. `OMLX_BLAS=/path/lib.so` picks one.
+`omlx_core/__init__` calls `load_before_mlx()`: the library is loaded just before the
+process first imports `mlx.core` (an import hook that removes itself), so commands that
+never touch MLX (`omlx --help`, `omlx settings`) do not pay OpenBLAS's start-up (about
+0.5 s). Where no optimized BLAS is installed, or MLX was imported first, or
+`OMLX_BLAS=off`, MLX keeps its reference BLAS and `omlx status` says so with the fix.
+`OMLX_BLAS=/path/lib.so` picks one.
 """
 
 import ctypes
@@ -89,3 +92,21 @@ def load_optimized_blas() -> BlasState:
 
 def blas_state() -> BlasState:
     return load_optimized_blas()
+
+
+class _BeforeMlx:
+    """A meta-path finder that loads the BLAS when `mlx.core` is first imported, then leaves."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name == "mlx.core":
+            if self in sys.meta_path:
+                sys.meta_path.remove(self)
+            load_optimized_blas()
+        return None  # the normal finders import the module
+
+
+def load_before_mlx() -> None:
+    if "mlx.core" in sys.modules:
+        load_optimized_blas()  # too late: records why
+    elif not any(isinstance(finder, _BeforeMlx) for finder in sys.meta_path):
+        sys.meta_path.insert(0, _BeforeMlx())
