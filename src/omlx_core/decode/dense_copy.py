@@ -45,12 +45,11 @@ GPU_PLAN = CopyPlan(None, MAX_TOKENS, head=False)
 CPU_PLAN = CopyPlan(mx.float32, sys.maxsize, head=True)
 
 
-def _dense(layer, dtype: mx.Dtype) -> tuple[mx.array, mx.array]:
+def _dense(layer, dtype: mx.Dtype) -> mx.array:
     dense = mx.dequantize(layer.weight, layer.scales, layer.get("biases"), group_size=layer.group_size,
                           bits=layer.bits, mode=layer.mode, dtype=dtype)
-    transposed = dense.T  # a view, made once: a call adds no transpose to the graph
-    mx.eval(dense, transposed)
-    return dense, transposed
+    mx.eval(dense)
+    return dense
 
 
 def _copy_product(module, x: mx.array) -> mx.array:
@@ -60,18 +59,23 @@ def _copy_product(module, x: mx.array) -> mx.array:
     return out if out.dtype == x.dtype else out.astype(x.dtype)
 
 
-def _adopt(module, layer, dtype: mx.Dtype, max_tokens: int, keys: tuple) -> None:
+def _adopt(module, arrays: dict, layer, dtype: mx.Dtype, max_tokens: int, dense: mx.array) -> None:
+    """Fill a new copy-holding `module` from `layer`'s attributes, its parameter `arrays`
+    and the `dense` weight (made by `_dense`, or a slice of another copy's)."""
     nn.Module.__init__(module)
-    for key in keys:
-        if key in layer:
-            module[key] = layer[key]
+    for key, value in arrays.items():
+        module[key] = value
     module.group_size, module.bits, module.mode = layer.group_size, layer.bits, layer.mode
     module.max_tokens = max_tokens
     module.calls = 0
     # Underscored: not parameters (not saved, not counted as the model's weights).
-    module._dense, module._dense_t = _dense(layer, dtype)
+    module._dense, module._dense_t = dense, dense.T  # the view made once: a call adds no transpose
     object.__setattr__(module, "_dtype", dtype)
     module.freeze()
+
+
+def _parameters(layer, keys: tuple, rows: slice = slice(None)) -> dict:
+    return {key: None if layer[key] is None else layer[key][rows] for key in keys if key in layer}
 
 
 def _takes(module, x: mx.array) -> bool:
@@ -82,34 +86,26 @@ def _takes(module, x: mx.array) -> bool:
 class DenseCopyLinear(nn.QuantizedLinear):
     """A QuantizedLinear that also holds its weight dense, for inputs of 1..max_tokens."""
 
+    KEYS = ("weight", "scales", "biases", "bias")
+
     @classmethod
     def of(cls, layer: nn.QuantizedLinear, max_tokens: int = MAX_TOKENS,
            dtype: mx.Dtype | None = None) -> "DenseCopyLinear":
         module = cls.__new__(cls)
-        _adopt(module, layer, dtype or layer.scales.dtype, max_tokens, ("weight", "scales", "biases", "bias"))
+        dtype = dtype or layer.scales.dtype
+        _adopt(module, _parameters(layer, cls.KEYS), layer, dtype, max_tokens, _dense(layer, dtype))
         return module
 
     def rows(self, start: int, stop: int) -> "DenseCopyLinear":
         """Rows [start, stop) as a DenseCopyLinear of slices (the split lanes' gpu rows)."""
         part = DenseCopyLinear.__new__(DenseCopyLinear)
-        nn.Module.__init__(part)
-        for key in ("weight", "scales", "biases", "bias"):
-            if key in self and self[key] is not None:
-                part[key] = self[key][start:stop]
-        part.group_size, part.bits, part.mode = self.group_size, self.bits, self.mode
-        part.max_tokens, part.calls = self.max_tokens, 0
-        part._dense = self._dense[start:stop]
-        part._dense_t = part._dense.T
-        object.__setattr__(part, "_dtype", self._dtype)
-        part.freeze()
+        _adopt(part, _parameters(self, self.KEYS, slice(start, stop)), self, self._dtype, self.max_tokens,
+               self._dense[start:stop])
         return part
 
     @property
     def copy_bytes(self) -> int:
         return self._dense.nbytes
-
-    def uses_copy(self, x: mx.array) -> bool:
-        return _takes(self, x)
 
     def __call__(self, x: mx.array) -> mx.array:
         # Per call Python is on a decode step's critical path (a few hundred linears).
@@ -127,8 +123,9 @@ class DenseCopyEmbedding(nn.QuantizedEmbedding):
     @classmethod
     def of(cls, layer: nn.QuantizedEmbedding, max_tokens: int, dtype: mx.Dtype) -> "DenseCopyEmbedding":
         module = cls.__new__(cls)
+        _adopt(module, _parameters(layer, ("weight", "scales", "biases")), layer, dtype, max_tokens,
+               _dense(layer, dtype))
         module.num_embeddings, module.dims = layer.num_embeddings, layer.dims
-        _adopt(module, layer, dtype, max_tokens, ("weight", "scales", "biases"))
         return module
 
     @property

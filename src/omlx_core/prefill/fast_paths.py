@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 import mlx.nn as nn
 
+from omlx_core.kernels.dequantize import dequantize as kernel_dequantize
+from omlx_core.kernels.dequantize import supported as kernel_unsupported
 from omlx_core.memory.peak import peak_extra_bytes
 from omlx_core.prefill.gdn_layer import ChunkedGatedDeltaNet
 from omlx_core.prefill.upcast import rehome, upcast_candidates
@@ -40,7 +42,8 @@ class DequantizedPrefill(nn.Module):
         self.quantized = quantized
         self.min_tokens = min_tokens
         self.calls = 0
-        self.kernel = kernel and not fast_dequantize_unsupported(quantized)  # kernels/dequantize.cu
+        self.kernel = kernel and not kernel_unsupported(quantized.bits, quantized.group_size, quantized.mode,
+                                                        quantized.scales.dtype)  # kernels/dequantize.cu
 
     @property
     def dense_bytes(self) -> int:
@@ -57,9 +60,7 @@ class DequantizedPrefill(nn.Module):
         # never dequantizes every layer up front: one transient weight at a time.
         packed = mx.depends(layer.weight, x)
         if self.kernel and x.dtype == layer.scales.dtype:
-            from omlx_core.kernels.dequantize import dequantize
-
-            weight = dequantize(packed, layer.scales, layer.biases, layer.group_size, layer.bits, x.dtype)
+            weight = kernel_dequantize(packed, layer.scales, layer.biases, layer.group_size, layer.bits, x.dtype)
         else:
             weight = mx.dequantize(packed, layer.scales, layer.biases, group_size=layer.group_size,
                                    bits=layer.bits, mode=layer.mode, dtype=x.dtype)
@@ -100,12 +101,6 @@ class FastPathReport:
                                 "calls": sum(layer.calls for layer in self.gdn_layers),
                                 "reason": self.reasons.get("gdn", "")},
                 "float32_quantized": {"layers": self.upcast_layers, "reason": self.reasons.get("upcast", "")}}
-
-
-def fast_dequantize_unsupported(layer: nn.QuantizedLinear) -> str:
-    from omlx_core.kernels.dequantize import supported
-
-    return supported(layer.bits, layer.group_size, layer.mode, layer.scales.dtype)
 
 
 def install_fast_paths(model, settings, kernels=None) -> FastPathReport:

@@ -130,6 +130,11 @@ class Setting:
         return str(value)
 
 
+def share_setting(key: str, what: str) -> Setting:
+    """A lane's share of one split target's output channels (0..1, default 0.25)."""
+    return Setting(key, "float", 0.25, what, minimum=0.0, maximum=1.0)
+
+
 def kernel_setting(name: str, what: str) -> Setting:
     """The auto|on|off switch of registered kernel `name` (omlx_core.kernels.catalog)."""
     return Setting(f"kernels.{name}", "choice", "auto",
@@ -171,24 +176,18 @@ SETTINGS: tuple[Setting, ...] = (
             choices=("gpu", "cpu", "ane")),
     Setting("prefill.cpu_sharing.enabled", "bool", False,
             "Experimental: run a share of prefill projections on the CPU lane (FP16 clones only)."),
-    Setting("prefill.cpu_share.mlp_gate_up", "float", 0.25,
-            "Share of MLP gate/up output channels the CPU lane computes during prefill.",
-            minimum=0.0, maximum=1.0),
-    Setting("prefill.cpu_share.mlp_down", "float", 0.25,
-            "Share of MLP down-projection output channels the CPU lane computes during prefill.",
-            minimum=0.0, maximum=1.0),
-    Setting("prefill.cpu_share.gdn_qkv", "float", 0.25,
-            "Share of gated-delta qkv output channels the CPU lane computes (hybrid models).",
-            minimum=0.0, maximum=1.0),
-    Setting("prefill.ane_share.mlp_gate_up", "float", 0.25,
-            "Share of MLP gate/up output channels the ANE lane computes (INT8, approximate; Apple Silicon).",
-            minimum=0.0, maximum=1.0),
-    Setting("prefill.ane_share.mlp_down", "float", 0.25,
-            "Share of MLP down-projection output channels the ANE lane computes (INT8, approximate).",
-            minimum=0.0, maximum=1.0),
-    Setting("prefill.ane_share.gdn_qkv", "float", 0.25,
-            "Share of gated-delta qkv output channels the ANE lane computes (hybrid models; INT8).",
-            minimum=0.0, maximum=1.0),
+    share_setting("prefill.cpu_share.mlp_gate_up",
+                  "Share of MLP gate/up output channels the CPU lane computes during prefill."),
+    share_setting("prefill.cpu_share.mlp_down",
+                  "Share of MLP down-projection output channels the CPU lane computes during prefill."),
+    share_setting("prefill.cpu_share.gdn_qkv",
+                  "Share of gated-delta qkv output channels the CPU lane computes (hybrid models)."),
+    share_setting("prefill.ane_share.mlp_gate_up",
+                  "Share of MLP gate/up output channels the ANE lane computes (INT8, approximate; Apple Silicon)."),
+    share_setting("prefill.ane_share.mlp_down",
+                  "Share of MLP down-projection output channels the ANE lane computes (INT8, approximate)."),
+    share_setting("prefill.ane_share.gdn_qkv",
+                  "Share of gated-delta qkv output channels the ANE lane computes (hybrid models; INT8)."),
     Setting("prefill.ane.tokens", "count", 512,
             "Rows of the ANE procedures' fixed input shape; longer inputs run in chunks of it.",
             minimum=16),
