@@ -21,10 +21,12 @@ barely helps; omlx's `qmm_decode` kernel (kernels/qmm_decode.cu) and the dense-c
            flushed before each kernel, so weights come from HBM), with a sweep of the
            kernel's launch shapes; skipped with the reason where ncu is absent
   model    a generated Qwen3-8B-shape 4-bit g64 model: one decode step at batch 1, 8, 32
-           after a 1k-token context: stock, kernel, dense copy; each with the step's
-           Python (graph construction) alone, the part the kernel's wrapper adds to
+           after a 1k-token context: stock, kernel, dense copy; each waited for (with its
+           Python and MLX's encoding apart) and pipelined, as mlx-lm's generators run it
+  profile  the same step's GPU time by kernel family under Nsight Compute, stock and
+           kernel: what the GPU spends against the wall clock
 
-    python scripts/bench/decode.py [--parts exact,greedy,margins,layers,kernels,model] [--tokens 1,2,4,8,16,32,64]
+    python scripts/bench/decode.py [--parts exact,greedy,margins,layers,kernels,model,profile] [--tokens 1,2,4,8,16,32,64]
         [--batches 1,8,32] [--matmul kernel|dense] [--quick] [--repeats 5] [--workdir DIR] [--save FILE] [--json]
 
 MLX compiles its CUDA quantized matmul for 8+ tokens at run time (CUTLASS, per shape and
@@ -44,6 +46,7 @@ import csv
 import glob
 import json
 import math
+import os
 import shutil
 import statistics
 import subprocess
@@ -59,7 +62,7 @@ import mlx.core as mx  # noqa: E402
 
 from omlx_core.kernels import qmm_decode  # noqa: E402
 
-PARTS = ("exact", "greedy", "margins", "layers", "kernels", "model")
+PARTS = ("exact", "greedy", "margins", "layers", "kernels", "model", "profile")
 TOKENS = (1, 2, 4, 8, 16, 32, 64)
 LAYERS = ((4096, 4096), (4096, 12288), (12288, 4096))  # (in, out)
 EXACT_TOKENS = (1, 3, 8, 9, 16, 17, 32, 33, 64)
@@ -505,9 +508,30 @@ def run_block(block: dict, built, calls: int) -> None:
 NS = {"nsecond": 1.0, "ns": 1.0, "usecond": 1e3, "us": 1e3, "msecond": 1e6, "ms": 1e6, "second": 1e9, "s": 1e9}
 
 
+def find_ncu() -> str | None:
+    return shutil.which("ncu") or next(iter(sorted(glob.glob("/usr/local/cuda*/bin/ncu"))
+                                            + sorted(glob.glob("/opt/nvidia/nsight-compute*/ncu"))), None)
+
+
+def marked_kernel_times(report: Path) -> list[list[tuple[str, float]]]:
+    """(kernel name, ns) of an ncu CSV report, in blocks that each start at a marker kernel."""
+    blocks: list[list[tuple[str, float]]] = []
+    with open(report, newline="") as handle:
+        lines = [line for line in handle if line.startswith('"')]
+    for row in csv.DictReader(lines):
+        if row.get("Metric Name") != "gpu__time_duration.sum":
+            continue
+        name = row.get("Kernel Name", "")
+        value = float(row["Metric Value"].replace(",", "")) * NS.get(row.get("Metric Unit", "ns"), 1.0)
+        if "omlx_bench_marker" in name:
+            blocks.append([])
+        elif blocks:
+            blocks[-1].append((name, value))
+    return blocks
+
+
 def run_kernels(tokens, quick: bool = False, timeout: float = 240) -> dict:
-    ncu = shutil.which("ncu") or next(iter(sorted(glob.glob("/usr/local/cuda*/bin/ncu"))
-                                           + sorted(glob.glob("/opt/nvidia/nsight-compute*/ncu"))), None)
+    ncu = find_ncu()
     if ncu is None:
         return {"skipped": "Nsight Compute (ncu) not found: kernel GPU times not measured"}
     compile_blocks(tokens, quick)  # the child finds every kernel in MLX's compiled-kernel cache
@@ -524,18 +548,7 @@ def run_kernels(tokens, quick: bool = False, timeout: float = 240) -> dict:
         if done.returncode != 0 or not blocks_file.is_file():
             return {"skipped": f"ncu run failed (exit {done.returncode}): {(done.stderr or done.stdout)[-800:]}"}
         plan = json.loads(blocks_file.read_text())
-        times: list[list[float]] = []
-        with open(report, newline="") as handle:
-            lines = [line for line in handle if line.startswith('"')]
-        for row in csv.DictReader(lines):
-            if row.get("Metric Name") != "gpu__time_duration.sum":
-                continue
-            name = row.get("Kernel Name", "")
-            value = float(row["Metric Value"].replace(",", "")) * NS.get(row.get("Metric Unit", "ns"), 1.0)
-            if "omlx_bench_marker" in name:
-                times.append([])
-            elif times:
-                times[-1].append(value)
+        times = [[ns for _, ns in block] for block in marked_kernel_times(report)]
         elapsed = time.perf_counter() - start
     if len(times) != len(plan["blocks"]):
         return {"skipped": f"ncu gave {len(times)} marked blocks for {len(plan['blocks'])} planned"}
@@ -566,35 +579,59 @@ def best_configs(rows: list[dict]) -> list[dict]:
 
 # -- model (whole decode step) -------------------------------------------------------------
 
-def decode_step_seconds(model, cache, batch: int, steps: int, repeats: int) -> tuple[float, float]:
-    """Median seconds of one greedy decode step at `batch` (the cache is trimmed back), and
-    of its Python alone: building the step's graph, before `mx.eval` runs any of it (the
-    GPU idles meanwhile, as mx.eval here waits for each step)."""
-    token = mx.zeros((batch, 1), dtype=mx.int32)
-    per_step, per_build = [], []
+def decode_step_seconds(model, cache, batch: int, steps: int, repeats: int) -> dict:
+    """Median seconds of one greedy decode step at `batch` (the cache is trimmed back):
+    `sync`, each step waited for before the next is built, split into its Python
+    (`build`: graph construction, the GPU idles) and MLX's encoding (`encode`: what
+    mx.async_eval takes to hand the step's kernels to CUDA); and `pipelined`, the next
+    step built and encoded while the GPU runs this one, as mlx-lm's generators (and so
+    `omlx serve`) run decode. Pipelined time near build + encode means the host bounds
+    the step; near sync - build - encode, the GPU does."""
+    first = mx.zeros((batch, 1), dtype=mx.int32)
+
+    def step(token):
+        return mx.argmax(model(token, cache=cache)[:, -1:, :], axis=-1).astype(mx.int32)
+
+    timings = {"sync": [], "build": [], "encode": [], "pipelined": []}
     for repeat in range(repeats + 1):  # the first compiles and warms up
+        token = first
         mx.synchronize()
         start = time.perf_counter()
-        build = 0.0
+        build = encode = 0.0
         for _ in range(steps):
             begin = time.perf_counter()
-            logits = model(token, cache=cache)
-            token = mx.argmax(logits[:, -1:, :], axis=-1).astype(mx.int32)
-            build += time.perf_counter() - begin
+            token = step(token)
+            built = time.perf_counter()
+            mx.async_eval(token)
+            build, encode = build + built - begin, encode + time.perf_counter() - built
             mx.eval(token)
         mx.synchronize()
-        if repeat:
-            per_step.append((time.perf_counter() - start) / steps)
-            per_build.append(build / steps)
+        sync = (time.perf_counter() - start) / steps
         for layer_cache in cache:
             layer_cache.trim(steps)
-    return statistics.median(per_step), statistics.median(per_build)
+        token = step(first)
+        mx.async_eval(token)
+        mx.synchronize()
+        start = time.perf_counter()
+        for _ in range(steps):
+            following = step(token)
+            mx.async_eval(following)
+            mx.eval(token)
+            token = following
+        mx.eval(token)
+        pipelined = (time.perf_counter() - start) / steps
+        for layer_cache in cache:
+            layer_cache.trim(steps + 1)
+        if repeat:
+            for name, value in (("sync", sync), ("build", build / steps), ("encode", encode / steps),
+                                ("pipelined", pipelined)):
+                timings[name].append(value)
+    return {name: statistics.median(values) for name, values in timings.items()}
 
 
 def run_model(workdir: Path, tiny: bool, batches=(1, 8, 32), ctx: int = 1024, steps: int = 8,
               repeats: int = 3) -> dict:
     """`*_build_ms`: the step's Python alone (graph construction), inside `*_ms`."""
-    from mlx_lm.models.cache import make_prompt_cache
     from mlx_lm.utils import load
 
     from omlx_core.decode.dense_copy import install_dense_copy
@@ -604,16 +641,14 @@ def run_model(workdir: Path, tiny: bool, batches=(1, 8, 32), ctx: int = 1024, st
     model, _ = load(str(path))
     rows = []
     for batch in batches:
-        cache = make_prompt_cache(model)
-        prompt = mx.random.randint(0, 500, (batch, ctx)).astype(mx.int32)
-        for start in range(0, ctx, 256):
-            model(prompt[:, start:start + 256], cache=cache)
-            mx.eval([c.state for c in cache])
+        cache = prefilled(model, batch, ctx)
         row = {"batch": batch, "ctx": ctx}
 
         def timed(name):
-            seconds, build = decode_step_seconds(model, cache, batch, steps, repeats)
-            row[f"{name}_ms"], row[f"{name}_build_ms"] = seconds * 1e3, build * 1e3
+            seconds = decode_step_seconds(model, cache, batch, steps, repeats)
+            row[f"{name}_ms"] = seconds["sync"] * 1e3
+            for part in ("build", "encode", "pipelined"):
+                row[f"{name}_{part}_ms"] = seconds[part] * 1e3
 
         timed("stock")
         paths = qmm_decode.install(model, formats=qmm_decode.ALL_FORMATS)
@@ -626,15 +661,124 @@ def run_model(workdir: Path, tiny: bool, batches=(1, 8, 32), ctx: int = 1024, st
         del copy
         restore(model)
         for name in ("stock", "kernel", "dense_copy"):
-            row[f"{name}_tps"] = batch / row[f"{name}_ms"] * 1e3
+            row[f"{name}_tps"] = batch / row[f"{name}_pipelined_ms"] * 1e3
         rows.append(row)
-        log(f"model batch {batch}: " + ", ".join(f"{name} {row[name + '_ms']:.2f} ms (Python {row[name + '_build_ms']:.2f})"
-                                               for name in ("stock", "kernel", "dense_copy")) + " per step")
+        log(f"model batch {batch}: " + ", ".join(
+            f"{name} {row[name + '_pipelined_ms']:.2f} ms pipelined ({row[name + '_ms']:.2f} sync: Python "
+            f"{row[name + '_build_ms']:.2f}, encode {row[name + '_encode_ms']:.2f})"
+            for name in ("stock", "kernel", "dense_copy")) + " per step")
         del cache
         mx.clear_cache()
     return {"model": str(path), "ctx": ctx, "steps": steps, "repeats": repeats,
-            "method": "greedy steps after a ctx-token prefill, median of repeats; *_build_ms: the Python "
-                      "of a step (graph construction before mx.eval), part of *_ms", "rows": rows}
+            "method": "greedy steps after a ctx-token prefill, median of repeats; *_ms: each step waited "
+                      "for; *_build_ms (the step's Python) and *_encode_ms (mx.async_eval's return) are "
+                      "parts of it; *_pipelined_ms: the next step built while the GPU runs this one "
+                      "(mlx-lm's generators); *_tps from the pipelined step",
+            "env": {key: value for key, value in os.environ.items() if key.startswith("MLX_")}, "rows": rows}
+
+
+def prefilled(model, batch: int, ctx: int):
+    """A prompt cache holding `ctx` random tokens for each of `batch` sequences."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    cache = make_prompt_cache(model)
+    prompt = mx.random.randint(0, 500, (batch, ctx)).astype(mx.int32)
+    for start in range(0, ctx, 256):
+        model(prompt[:, start:start + 256], cache=cache)
+        mx.eval([c.state for c in cache])
+    return cache
+
+
+def profiler(on: bool) -> None:
+    """cuProfilerStart/Stop: ncu (run with --profile-from-start off) records only between them."""
+    import ctypes
+
+    getattr(ctypes.CDLL("libcuda.so.1"), "cuProfilerStart" if on else "cuProfilerStop")()
+
+
+def profile_child(workdir: Path, tiny: bool, batches, ctx: int = 1024) -> None:
+    """One decode step per (batch, variant), each between two markers, under the profiler."""
+    from mlx_lm.utils import load
+
+    from prefill_paths import checkpoint
+
+    model, _ = load(str(checkpoint("dense", workdir, tiny)))
+    marker_kernel()  # its input is made here, outside the profiled ranges
+    for batch in batches:
+        cache = prefilled(model, batch, ctx)
+        token = mx.zeros((batch, 1), dtype=mx.int32)
+        for variant in ("stock", "kernel"):
+            if variant == "kernel":
+                qmm_decode.install(model, formats=qmm_decode.ALL_FORMATS)
+            for _ in range(3):  # compiles and warms up
+                mx.eval(mx.argmax(model(token, cache=cache)[:, -1:, :], axis=-1))
+            mx.synchronize()
+            profiler(True)
+            marker_kernel()
+            mx.synchronize()
+            mx.eval(mx.argmax(model(token, cache=cache)[:, -1:, :], axis=-1))
+            mx.synchronize()
+            marker_kernel()
+            mx.synchronize()
+            profiler(False)
+            for layer_cache in cache:
+                layer_cache.trim(4)
+        restore(model)
+        del cache
+        mx.clear_cache()
+
+
+def kernel_family(name: str) -> str:
+    """A kernel's name without template arguments and parameters (groups a step's kernels)."""
+    name = name.split("(")[0]
+    depth, out = 0, []
+    for char in name:
+        depth += char == "<"
+        if depth == 0:
+            out.append(char)
+        depth -= char == ">"
+    return "".join(out).replace("void ", "").strip()[-80:]
+
+
+def run_profile(workdir: Path, tiny: bool, batches, timeout: float = 400) -> dict:
+    """GPU time of one whole decode step by kernel family, under Nsight Compute (no cache
+    flush, clocks left alone): what the GPU spends against the wall-clock step."""
+    ncu = find_ncu()
+    if ncu is None:
+        return {"skipped": "Nsight Compute (ncu) not found: the step's GPU time not measured"}
+    with tempfile.TemporaryDirectory() as tmp:
+        report = Path(tmp) / "ncu.csv"
+        command = [ncu, "--clock-control", "none", "--cache-control", "none", "--profile-from-start", "off",
+                   "--metrics", "gpu__time_duration.sum", "--csv", "--log-file", str(report), sys.executable,
+                   __file__, "--profile-child", "--workdir", str(workdir), "--batches", ",".join(map(str, batches))]
+        command += ["--tiny"] if tiny else []
+        start = time.perf_counter()
+        try:
+            done = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return {"skipped": f"ncu did not finish in {timeout:.0f} s"}
+        if done.returncode:
+            return {"skipped": f"ncu exited {done.returncode}: {(done.stderr or done.stdout)[-600:]}"}
+        steps = marked_kernel_times(report)[0::2]  # each step is followed by a closing marker
+    labels = [(batch, variant) for batch in batches for variant in ("stock", "kernel")]
+    if len(steps) != len(labels):
+        return {"skipped": f"ncu gave {len(steps)} marked steps for {len(labels)} planned"}
+    rows = []
+    for (batch, variant), kernels in zip(labels, steps):
+        families: dict = {}
+        for name, ns in kernels:
+            entry = families.setdefault(kernel_family(name), [0, 0.0])
+            entry[0] += 1
+            entry[1] += ns / 1e3
+        top = sorted(families.items(), key=lambda item: -item[1][1])
+        rows.append({"batch": batch, "variant": variant, "kernels": len(kernels),
+                     "gpu_ms": sum(ns for _, ns in kernels) / 1e6,
+                     "families": [{"name": name, "count": count, "us": round(us, 1)} for name, (count, us) in top]})
+        log(f"profile batch {batch} {variant}: {len(kernels)} kernels, GPU {rows[-1]['gpu_ms']:.2f} ms; top: "
+            + ", ".join(f"{f['name']} x{f['count']} {f['us']:.0f} us" for f in rows[-1]["families"][:4]))
+    return {"method": "ncu gpu__time_duration of every kernel of one decode step (ctx 1024), no cache flush; "
+                      "sum of kernel times, gaps between kernels not included",
+            "ncu_seconds": round(time.perf_counter() - start, 1), "rows": rows}
 
 
 def restore(model) -> None:
@@ -704,10 +848,15 @@ def main() -> None:
     parser.add_argument("--save", default=None)
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--kernels-child", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--profile-child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     tokens = tuple(int(t) for t in args.tokens.split(","))
+    batches = tuple(int(b) for b in args.batches.split(","))
     if args.kernels_child:
         kernels_child(tokens, Path(args.kernels_child), args.quick)
+        return
+    if args.profile_child:
+        profile_child(Path(args.workdir), args.tiny, batches)
         return
     parts = args.parts.split(",")
     if unknown := [p for p in parts if p not in PARTS]:
@@ -715,7 +864,7 @@ def main() -> None:
     workdir = Path(args.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     matmul = matmul_of(args.matmul)
-    if args.matmul != "kernel" and (timed := [p for p in parts if p in ("layers", "kernels", "model")]):
+    if args.matmul != "kernel" and (timed := [p for p in parts if p in ("layers", "kernels", "model", "profile")]):
         raise SystemExit(f"decode.py: --parts {','.join(timed)} time the kernel itself; --matmul dense "
                          "checks exact, greedy and margins only")
     result = {"command": " ".join(sys.argv), "hardware": hardware(), "matmul": args.matmul}
@@ -738,7 +887,9 @@ def main() -> None:
             elif part == "kernels":
                 result["kernels"] = run_kernels(tokens, args.quick)
             elif part == "model":
-                result["model"] = run_model(workdir, args.tiny, tuple(int(b) for b in args.batches.split(",")))
+                result["model"] = run_model(workdir, args.tiny, batches)
+            elif part == "profile":
+                result["profile"] = run_profile(workdir, args.tiny, batches)
         except Exception as error:  # noqa: BLE001 - one failed part must not lose the others
             result[part] = {"error": f"{type(error).__name__}: {error}"}
             log(f"{part} failed: {type(error).__name__}: {error}")
