@@ -196,3 +196,24 @@ def test_dequantize_kernel_says_which_formats_it_reads():
     assert "groups of 16" in supported(4, 16, "affine", mx.bfloat16)
     assert "mxfp4" in supported(4, 32, "mxfp4", mx.bfloat16)
     assert "float32" in supported(4, 64, "affine", mx.float32)
+
+
+def test_dense_path_bounds_the_products_in_flight_and_keeps_none_after_prefill():
+    from omlx_core.prefill import fast_paths
+
+    layers = [DequantizedPrefill(nn.QuantizedLinear.from_linear(nn.Linear(64, 64), group_size=32, bits=4), 8)
+              for _ in range(3 * fast_paths.IN_FLIGHT)]
+    x = mx.random.normal((1, 16, 64))
+    depth = []
+    for layer in layers:
+        x = layer(x)
+        depth.append(len(DequantizedPrefill._queued))
+    assert max(depth) == fast_paths.IN_FLIGHT  # each call hands its product over, the oldest is waited for
+    want = mx.random.normal((1, 16, 64))
+    got = want
+    for layer in layers:
+        got = layer(got)
+        want = layer.quantized(want)
+    assert float(mx.abs(got - want).max()) <= 1e-3 * float(mx.abs(want).max())
+    layers[0](mx.random.normal((1, 1, 64)))  # a decode-sized call: the prefill is over
+    assert not DequantizedPrefill._queued

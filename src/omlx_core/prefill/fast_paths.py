@@ -8,10 +8,14 @@ inputs are computed; decode-sized inputs run mlx-lm's own modules.
   (quantized matmul at large token counts is far slower than dense GEMM on some
   backends). The dense weight is transient: made per layer per call, after the layer's
   input (so the graph never dequantizes every layer up front), and freed once its product
-  is computed. What that costs is measured, not assumed: one call of the largest layer at
-  install, and, at load, a whole prefill chunk with the path on against off (an
-  asynchronous GPU keeps several layers' transients alive at once); the larger figure is
-  what the memory guard is charged. `prefill.dense` is `auto` by default: on where it was
+  is computed. The host encodes far ahead of an asynchronous GPU, and a weight allocated
+  before the earlier ones are freed is a fresh allocation: left alone, a chunk held every
+  layer's dense weight at once (16 GB on an 8B model) and paid the allocator for each.
+  So each product is handed to the GPU as it is made, and the call waits for the product
+  `IN_FLIGHT` calls back: at most that many transients live, and each reuses a freed
+  buffer. What that costs is measured, not assumed: one call of the largest layer at
+  install, and, at load, a whole prefill chunk with the path on against off; the larger
+  figure is what the memory guard is charged. `prefill.dense` is `auto` by default: on where it was
   measured to win (CUDA), off elsewhere until measured there. Where the kernel registry
   activates `dequantize` (kernels/dequantize.cu), the dense weight is made by that kernel
   instead of `mx.dequantize`.
@@ -22,6 +26,7 @@ inputs are computed; decode-sized inputs run mlx-lm's own modules.
   Installed first, as subclasses of MLX's quantized layers, so the dense path wraps them.
 """
 
+from collections import deque
 from dataclasses import dataclass, field
 
 import mlx.core as mx
@@ -34,8 +39,13 @@ from omlx_core.prefill.gdn_layer import ChunkedGatedDeltaNet
 from omlx_core.prefill.upcast import rehome, upcast_candidates
 
 
+IN_FLIGHT = 4  # dense products the GPU may have queued: a few layers' worth, so it never waits
+
+
 class DequantizedPrefill(nn.Module):
     """A quantized linear whose large inputs run as a dense GEMM on a transient weight."""
+
+    _queued: deque = deque()  # shared by every layer: the products handed to the GPU, oldest first
 
     def __init__(self, quantized: nn.QuantizedLinear, min_tokens: int, kernel: bool = False):
         super().__init__()
@@ -53,6 +63,8 @@ class DequantizedPrefill(nn.Module):
 
     def __call__(self, x: mx.array) -> mx.array:
         if x.size // x.shape[-1] < self.min_tokens:
+            if self._queued:  # a prefill ended: keep none of its products alive
+                self._queued.clear()
             return self.quantized(x)
         self.calls += 1
         layer = self.quantized
@@ -65,7 +77,17 @@ class DequantizedPrefill(nn.Module):
             weight = mx.dequantize(packed, layer.scales, layer.biases, group_size=layer.group_size,
                                    bits=layer.bits, mode=layer.mode, dtype=x.dtype)
         out = x @ weight.T
-        return out + layer.bias if "bias" in layer else out
+        out = out + layer.bias if "bias" in layer else out
+        self._bound(out)
+        return out
+
+    @classmethod
+    def _bound(cls, out: mx.array) -> None:
+        """Start `out` on the GPU now and wait for the product IN_FLIGHT calls back."""
+        mx.async_eval(out)
+        cls._queued.append(out)
+        while len(cls._queued) > IN_FLIGHT:
+            mx.eval(cls._queued.popleft())
 
 
 @dataclass
