@@ -169,22 +169,37 @@ __device__ __forceinline__ void qmm_decode(
   load(0);  // the first weights are in flight while the activations are staged
 
   // Stage x[:, slice] as [block][chunk j][token tile][token][thread t] of 16-byte units,
-  // the 8 inputs of each unit in the order (0, 4, 1, 5, 2, 6, 3, 7).
+  // the 8 inputs of each unit in the order (0, 4, 1, 5, 2, 6, 3, 7). Only the M real token
+  // rows are staged: an mma output column depends on its own B column alone, so whatever
+  // the unstaged rows hold reaches only outputs that are never written. Loads go out in
+  // batches of SU, so their latencies overlap instead of adding up.
   {
+    constexpr int SU = 32 * WR * WK >= 256 ? 2 : 8;  // within the register budget of the launch bounds
     const int chunks = per_cta * 16;  // 8-input units per token row
     const int k0 = first * 128;
-    for (int idx = threadIdx.x; idx < NT * 8 * chunks; idx += blockDim.x) {
-      const int m = idx / chunks, c = idx - m * chunks;
-      const int k = k0 + c * 8;
-      uint4 v = make_uint4(0, 0, 0, 0);
-      if (m < M && k < K) v = *reinterpret_cast<const uint4*>(x + (size_t)m * K + k);
-      uint4 p;
-      p.x = __byte_perm(v.x, v.z, 0x5410);
-      p.y = __byte_perm(v.x, v.z, 0x7632);
-      p.z = __byte_perm(v.y, v.w, 0x5410);
-      p.w = __byte_perm(v.y, v.w, 0x7632);
-      const int bl = c >> 4, tt = (c >> 2) & 3, j = c & 3;
-      smem[(((bl * 4 + j) * NT + (m >> 3)) * 8 + (m & 7)) * 4 + tt] = p;
+    const int units = M * chunks;
+    for (int base = threadIdx.x; base < units; base += SU * blockDim.x) {
+      uint4 v[SU];
+#pragma unroll
+      for (int u = 0; u < SU; ++u) {
+        const int idx = base + u * blockDim.x;
+        const int m = idx / chunks, k = k0 + (idx - m * chunks) * 8;
+        v[u] = make_uint4(0, 0, 0, 0);
+        if (idx < units && k < K) v[u] = *reinterpret_cast<const uint4*>(x + (size_t)m * K + k);
+      }
+#pragma unroll
+      for (int u = 0; u < SU; ++u) {
+        const int idx = base + u * blockDim.x;
+        if (idx >= units) break;
+        const int m = idx / chunks, c = idx - m * chunks;
+        uint4 p;
+        p.x = __byte_perm(v[u].x, v[u].z, 0x5410);
+        p.y = __byte_perm(v[u].x, v[u].z, 0x7632);
+        p.z = __byte_perm(v[u].y, v[u].w, 0x5410);
+        p.w = __byte_perm(v[u].y, v[u].w, 0x7632);
+        const int bl = c >> 4, tt = (c >> 2) & 3, j = c & 3;
+        smem[(((bl * 4 + j) * NT + (m >> 3)) * 8 + (m & 7)) * 4 + tt] = p;
+      }
     }
   }
   __syncthreads();
