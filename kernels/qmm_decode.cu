@@ -15,8 +15,8 @@
 // last CTA of a row tile to finish adds them in a fixed order and resets its counter):
 // enough CTAs stream the weights to reach HBM bandwidth even when N is small.
 //
-// This file is the `header` of an mx.fast.cuda_kernel; the kernel body only calls
-// qmm_decode<...>() (see omlx_core/kernels/qmm_decode.py).
+// The `header` of the mx.fast.cuda_kernel #includes this file by path; the kernel body
+// only calls qmm_decode<...>() (see omlx_core/kernels/qmm_decode.py).
 
 namespace omlx_qmm {
 

@@ -340,3 +340,24 @@ def test_bench_prepares_the_dense_copy_as_serve_does(tiny_path, home):
     assert install_key(on) != install_key(off)  # two variants never share one prepared model
     prepared = prepare_model(ModelRef(tiny_path.name, tiny_path.name, tiny_path), on)
     assert any(isinstance(m, DenseCopyLinear) for _, m in prepared.model.named_modules())
+
+
+def test_the_header_includes_the_source_by_path_and_digest_and_compiles(tmp_path):
+    import hashlib
+    import shutil
+    import subprocess
+
+    from omlx_core.kernels.registry import kernel_path
+
+    path = kernel_path(qmm_decode.SOURCE)
+    text = qmm_decode.source_text()
+    assert text.startswith(f'#include "{path}"')
+    assert hashlib.sha256(path.read_bytes()).hexdigest()[:16] in text  # a changed file is a new module
+    assert len(qmm_decode.header(qmm_decode.default_config(1, 4), mx.bfloat16, 4, 64)) < 1000
+    if shutil.which("nvcc") is None:
+        pytest.skip("nvcc is not installed: the include's compile is checked where it is")
+    unit = tmp_path / "qmm.cu"
+    unit.write_text(qmm_decode.generated_source(qmm_decode.default_config(32, 4), mx.bfloat16, 4, 64, split=True))
+    done = subprocess.run(["nvcc", "-arch=sm_90a", "-std=c++17", "-c", str(unit), "-o", str(tmp_path / "qmm.o")],
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]

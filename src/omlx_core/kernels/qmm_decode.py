@@ -18,6 +18,7 @@ The launch shape (`Config`) is chosen per token count and layer shape; the bench
 (scripts/bench/decode.py) measured the candidates on the H200.
 """
 
+import hashlib
 import math
 import re
 from dataclasses import dataclass, replace
@@ -175,17 +176,25 @@ def launch_bounds(config: Config, dtype: mx.Dtype, bits: int, group_size: int, s
 
 
 @lru_cache(maxsize=1)
-def compact_source() -> str:
-    """kernels/qmm_decode.cu without its comments and indentation: MLX copies, concatenates
-    and hashes a custom kernel's whole source on every call, so its length is per-call cost."""
-    from omlx_core.kernels.registry import kernel_source
+def source_text() -> str:
+    """What the kernel's `header` carries of kernels/qmm_decode.cu: an #include of the file
+    by absolute path, with a digest of its content. MLX builds, copies and hashes a custom
+    kernel's whole source on every call (about 10 KB of code here: microseconds on each of
+    a decode step's few hundred calls), while NVRTC reads an included file only when it
+    compiles; the digest changes the source, so the module MLX caches, whenever the file
+    does. A path an #include cannot spell gets the file's text, comments stripped."""
+    from omlx_core.kernels.registry import kernel_path
 
-    lines = (re.sub(r"\s+//.*$|^\s*//.*$", "", line).strip() for line in kernel_source(SOURCE).splitlines())
-    return "\n".join(line for line in lines if line) + "\n"
+    path = kernel_path(SOURCE)
+    text = path.read_text(encoding="utf-8")
+    if any(char in str(path) for char in '"\\\n'):
+        lines = (re.sub(r"\s+//.*$|^\s*//.*$", "", line).strip() for line in text.splitlines())
+        return "\n".join(line for line in lines if line) + "\n"
+    return f'#include "{path}"  // sha256 {hashlib.sha256(text.encode()).hexdigest()[:16]}\n'
 
 
 def header(config: Config, dtype: mx.Dtype, bits: int, group_size: int, split: bool = True) -> str:
-    return compact_source() + launch_bounds(config, dtype, bits, group_size, split)
+    return source_text() + launch_bounds(config, dtype, bits, group_size, split)
 
 
 STANDALONE_PRELUDE = """#include <cuda_bf16.h>

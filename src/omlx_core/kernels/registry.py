@@ -281,9 +281,14 @@ def kernels_dirs() -> list[Path]:
 
 def kernel_source(name: str) -> str:
     """The text of kernel source `name` (a file name under kernels/)."""
+    return kernel_path(name).read_text(encoding="utf-8")
+
+
+def kernel_path(name: str) -> Path:
+    """Where kernel source `name` (a file name under kernels/) is."""
     for directory in kernels_dirs():
         path = directory / name
         if path.is_file():
-            return path.read_text(encoding="utf-8")
+            return path.resolve()
     raise OmlxError(f"kernel source {name} not found in {' or '.join(map(str, kernels_dirs()))}; "
                     "reinstall omlx or run it from its source checkout")
