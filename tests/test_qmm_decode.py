@@ -53,10 +53,14 @@ def quantized_linears(model) -> dict:
 
 # -- routing -------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("tokens,expected", [(1, True), (7, True), (64, True), (65, False), (512, False)])
-def test_decode_sized_inputs_take_the_kernel(tokens, expected):
+@pytest.mark.parametrize("tokens,expected", [(1, False), (2, True), (7, True), (64, True), (65, False), (512, False)])
+def test_batched_decode_sized_inputs_take_the_kernel(tokens, expected):
     layer = DecodeQuantizedLinear.of(quantized())
     assert layer.uses_kernel(mx.zeros((1, tokens, 128), dtype=mx.bfloat16)) is expected
+
+
+def test_one_token_takes_the_kernel_only_when_asked():
+    assert DecodeQuantizedLinear.of(quantized(), min_tokens=1).uses_kernel(mx.zeros((1, 1, 128), dtype=mx.bfloat16))
 
 
 def test_batched_decode_counts_every_row_as_a_token():
@@ -67,9 +71,9 @@ def test_batched_decode_counts_every_row_as_a_token():
 
 def test_inputs_the_kernel_cannot_compute_keep_mlx():
     layer = DecodeQuantizedLinear.of(quantized())
-    assert not layer.uses_kernel(mx.zeros((1, 1, 128), dtype=mx.float32))  # scales are bf16
+    assert not layer.uses_kernel(mx.zeros((2, 1, 128), dtype=mx.float32))  # scales are bf16
     assert not DecodeQuantizedLinear.of(quantized(bits=3, group=64)).uses_kernel(
-        mx.zeros((1, 128), dtype=mx.bfloat16))
+        mx.zeros((2, 128), dtype=mx.bfloat16))
 
 
 def test_prefill_inputs_run_quantized_linear_unchanged():
@@ -85,7 +89,7 @@ def test_the_kernel_refuses_clearly_without_cuda():
         pytest.skip("this machine runs CUDA")
     layer = DecodeQuantizedLinear.of(quantized())
     with pytest.raises(OmlxError, match="needs MLX's CUDA backend"):
-        layer(mx.zeros((1, 1, 128), dtype=mx.bfloat16))
+        layer(mx.zeros((2, 1, 128), dtype=mx.bfloat16))
 
 
 @pytest.mark.parametrize("n,k,tokens", [(4096, 4096, 1), (4096, 12288, 1), (12288, 4096, 32), (17, 1088, 64),
@@ -183,17 +187,35 @@ def test_only_checked_formats_are_installed_by_default():
 
 # -- gating ----------------------------------------------------------------------------------
 
-def test_gated_off_on_cpu_and_until_validated_on_cuda(tiny_path):
+def test_gated_to_llama_on_the_h200_and_off_elsewhere(tiny_path, tmp_path):
+    from omlx_core.kernels.registry import model_facts
+
     model, _ = load(str(tiny_path))
     spec = qmm_decode.SPEC
-    cpu = decide(spec, "auto", CPU, model=model)
+    llama = model_facts(model, None)
+    cpu = decide(spec, "auto", CPU, llama, model)
     assert not cpu.active and "cuda backend" in cpu.reason
-    assert not decide(spec, "on", CPU, model=model).active
-    h200 = decide(spec, "auto", H200, model=model)
-    assert not h200.active and "not validated" in h200.reason
-    forced = decide(spec, "on", H200, model=model)
+    assert not decide(spec, "on", CPU, llama, model).active
+    h200 = decide(spec, "auto", H200, llama, model)
+    assert h200.active and h200.validated and "llama" in h200.reason
+    a100 = decide(spec, "auto", {"backend": "cuda", "arch": "sm_80", "gpu": "NVIDIA A100"}, llama, model)
+    assert not a100.active and "not validated on this hardware" in a100.reason
+    hybrid, _ = load(str(build_tiny_model("qwen3_5", tmp_path / "qwen3_5", quantized=True, bits=4, group_size=64)))
+    qwen = decide(spec, "auto", H200, model_facts(hybrid, None), hybrid)
+    assert not qwen.active and "not validated for this model" in qwen.reason
+    forced = decide(spec, "on", H200, model_facts(hybrid, None), hybrid)
     assert forced.active and not forced.validated
-    assert not decide(spec, "auto", H200, model=nn.Linear(8, 8)).active  # nothing to replace
+    assert not decide(spec, "auto", H200, llama, nn.Linear(8, 8)).active  # nothing to replace
+
+
+def test_validated_install_takes_batched_decode_and_leaves_one_token_to_mlx(tiny_path):
+    model, _ = load(str(tiny_path))
+    report = install_kernels(model, None, {}, kernels=(qmm_decode.SPEC,), hardware=H200)
+    layers = [m for m in quantized_linears(model).values() if isinstance(m, DecodeQuantizedLinear)]
+    assert report.active == ["qmm_decode"] and layers and len(layers) == len(report.replaced["qmm_decode"])
+    assert all(m.min_tokens == 2 for m in layers)
+    x = mx.random.normal((1, 1, layers[0].weight.shape[1] * 8)).astype(mx.bfloat16)
+    assert not layers[0].uses_kernel(x) and layers[0].uses_kernel(mx.concatenate([x, x]))
 
 
 def test_install_kernels_leaves_the_model_alone_here(tiny_path):

@@ -212,7 +212,7 @@ def run_greedy(matmul_name: str, workdir: Path, count: int = 64, quick: bool = F
         if matmul_name == "dense":
             layers = install_dense_copy(model, {"compute.dense_copy": "on"}, backend="cuda").layers
         else:
-            paths = qmm_decode.install(model, formats=qmm_decode.ALL_FORMATS)
+            paths = qmm_decode.install(model, formats=qmm_decode.ALL_FORMATS, min_tokens=1)
             modules = dict(model.named_modules())
             layers = [modules[p] for p in paths]
         ours = greedy_tokens(model, prompt, count)
@@ -291,7 +291,7 @@ def run_margins(workdir: Path, matmul_name: str = "kernel", count: int = 64) -> 
             if matmul_name == "dense":
                 install_dense_copy(model, {"compute.dense_copy": "on"}, backend="cuda")
             else:
-                qmm_decode.install(model, formats=qmm_decode.ALL_FORMATS)
+                qmm_decode.install(model, formats=qmm_decode.ALL_FORMATS, min_tokens=1)
             ours = greedy_tokens(model, mx.array([prompt], dtype=mx.int32), count)
             forced_ours = forced_logits(model, prompt, stock)
             restore(model)
@@ -651,7 +651,7 @@ def run_model(workdir: Path, tiny: bool, batches=(1, 8, 32), ctx: int = 1024, st
                 row[f"{name}_{part}_ms"] = seconds[part] * 1e3
 
         timed("stock")
-        paths = qmm_decode.install(model, formats=qmm_decode.ALL_FORMATS)
+        paths = qmm_decode.install(model, formats=qmm_decode.ALL_FORMATS, min_tokens=1)
         timed("kernel")
         row["kernel_layers"] = len(paths)
         restore(model)
@@ -709,7 +709,7 @@ def profile_child(workdir: Path, tiny: bool, batches, ctx: int = 1024) -> None:
         token = mx.zeros((batch, 1), dtype=mx.int32)
         for variant in ("stock", "kernel"):
             if variant == "kernel":
-                qmm_decode.install(model, formats=qmm_decode.ALL_FORMATS)
+                qmm_decode.install(model, formats=qmm_decode.ALL_FORMATS, min_tokens=1)
             for _ in range(3):  # compiles and warms up
                 mx.eval(mx.argmax(model(token, cache=cache)[:, -1:, :], axis=-1))
             mx.synchronize()
