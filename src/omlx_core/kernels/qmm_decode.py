@@ -9,7 +9,8 @@ computes every token of the call from it on the tensor cores (see the file's com
   `quantized_matmul(..., transpose=True)` for MLX's affine layout, 4 or 8 bits, group
   size 32, 64 or 128, bf16 or fp16 activations, 1..64 tokens.
 - `DecodeQuantizedLinear`: an `nn.QuantizedLinear` (same arrays, nothing copied) whose
-  decode-sized inputs run the kernel; every other input runs QuantizedLinear's own path.
+  batched-decode inputs (`MIN_TOKENS`..`MAX_TOKENS` tokens) run the kernel; every other
+  input runs QuantizedLinear's own path.
   Being a QuantizedLinear, it composes with the prefill paths as any quantized linear
   does: `DequantizedPrefill` wraps it, split lanes slice it, `fast_paths.unwrap` returns it.
 - `install(model)` replaces the eligible quantized linears by module replacement.

@@ -15,8 +15,8 @@ inputs are computed; decode-sized inputs run mlx-lm's own modules.
   `IN_FLIGHT` calls back: at most that many transients live, and each reuses a freed
   buffer. What that costs is measured, not assumed: one call of the largest layer at
   install, and, at load, a whole prefill chunk with the path on against off; the larger
-  figure is what the memory guard is charged. `prefill.dense` is `auto` by default: on where it was
-  measured to win (CUDA), off elsewhere until measured there. Where the kernel registry
+  figure is what the memory guard is charged. `prefill.dense` is `auto` by default: on
+  where it was measured to win (CUDA), off elsewhere until measured there. Where the kernel registry
   activates `dequantize` (kernels/dequantize.cu), the dense weight is made by that kernel
   instead of `mx.dequantize`.
 - Chunked gated delta: qwen3_5's linear-attention layers prefill with
