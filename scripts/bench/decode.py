@@ -579,6 +579,11 @@ def best_configs(rows: list[dict]) -> list[dict]:
 
 # -- model (whole decode step) -------------------------------------------------------------
 
+def greedy_step(model, cache, token: mx.array) -> mx.array:
+    """One greedy decode step of every sequence: the next [batch, 1] tokens (lazy)."""
+    return mx.argmax(model(token, cache=cache)[:, -1:, :], axis=-1).astype(mx.int32)
+
+
 def decode_step_seconds(model, cache, batch: int, steps: int, repeats: int) -> dict:
     """Median seconds of one greedy decode step at `batch` (the cache is trimmed back):
     `sync`, each step waited for before the next is built, split into its Python
@@ -588,10 +593,6 @@ def decode_step_seconds(model, cache, batch: int, steps: int, repeats: int) -> d
     `omlx serve`) run decode. Pipelined time near build + encode means the host bounds
     the step; near sync - build - encode, the GPU does."""
     first = mx.zeros((batch, 1), dtype=mx.int32)
-
-    def step(token):
-        return mx.argmax(model(token, cache=cache)[:, -1:, :], axis=-1).astype(mx.int32)
-
     timings = {"sync": [], "build": [], "encode": [], "pipelined": []}
     for repeat in range(repeats + 1):  # the first compiles and warms up
         token = first
@@ -600,7 +601,7 @@ def decode_step_seconds(model, cache, batch: int, steps: int, repeats: int) -> d
         build = encode = 0.0
         for _ in range(steps):
             begin = time.perf_counter()
-            token = step(token)
+            token = greedy_step(model, cache, token)
             built = time.perf_counter()
             mx.async_eval(token)
             build, encode = build + built - begin, encode + time.perf_counter() - built
@@ -609,12 +610,12 @@ def decode_step_seconds(model, cache, batch: int, steps: int, repeats: int) -> d
         sync = (time.perf_counter() - start) / steps
         for layer_cache in cache:
             layer_cache.trim(steps)
-        token = step(first)
+        token = greedy_step(model, cache, first)
         mx.async_eval(token)
         mx.synchronize()
         start = time.perf_counter()
         for _ in range(steps):
-            following = step(token)
+            following = greedy_step(model, cache, token)
             mx.async_eval(following)
             mx.eval(token)
             token = following
@@ -631,7 +632,8 @@ def decode_step_seconds(model, cache, batch: int, steps: int, repeats: int) -> d
 
 def run_model(workdir: Path, tiny: bool, batches=(1, 8, 32), ctx: int = 1024, steps: int = 8,
               repeats: int = 3) -> dict:
-    """`*_build_ms`: the step's Python alone (graph construction), inside `*_ms`."""
+    """Each variant's step at each batch, as `decode_step_seconds` measures it (the row keys
+    are named in the result's `method`)."""
     from mlx_lm.utils import load
 
     from omlx_core.decode.dense_copy import install_dense_copy
@@ -711,12 +713,12 @@ def profile_child(workdir: Path, tiny: bool, batches, ctx: int = 1024) -> None:
             if variant == "kernel":
                 qmm_decode.install(model, formats=qmm_decode.ALL_FORMATS, min_tokens=1)
             for _ in range(3):  # compiles and warms up
-                mx.eval(mx.argmax(model(token, cache=cache)[:, -1:, :], axis=-1))
+                mx.eval(greedy_step(model, cache, token))
             mx.synchronize()
             profiler(True)
             marker_kernel()
             mx.synchronize()
-            mx.eval(mx.argmax(model(token, cache=cache)[:, -1:, :], axis=-1))
+            mx.eval(greedy_step(model, cache, token))
             mx.synchronize()
             marker_kernel()
             mx.synchronize()
