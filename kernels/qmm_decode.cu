@@ -135,10 +135,16 @@ __device__ __forceinline__ void qmm_decode(
   const size_t row_words = (size_t)K * BITS / 32;
   const int groups = K / GS;
 
-  uint4 wv[U][R][2][V];
-  T sc[U][R][2], bi[U][R][2];
+  // One round of a warp's weights (U blocks of 128 inputs x R 16-row tiles), in registers.
+  // Two rounds are held: the next one's loads are in flight while this one is computed, so
+  // HBM is streaming all the while, not only between a CTA's start and its first mma.
+  struct Round {
+    uint4 wv[U][R][2][V];
+    T sc[U][R][2], bi[U][R][2];
+  };
+  Round ping, pong;
 
-  auto load = [&](int round) {
+  auto load = [&](Round& rd, int round) {
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int i = round + u;
@@ -152,21 +158,22 @@ __device__ __forceinline__ void qmm_decode(
           if (valid && row < N) {
             const uint32_t* src = w + row * row_words + k * BITS / 32;
 #pragma unroll
-            for (int v = 0; v < V; ++v) wv[u][r][h][v] = load_stream(src + 4 * v);
-            sc[u][r][h] = scales[(size_t)row * groups + k / GS];
-            bi[u][r][h] = biases[(size_t)row * groups + k / GS];
+            for (int v = 0; v < V; ++v) rd.wv[u][r][h][v] = load_stream(src + 4 * v);
+            rd.sc[u][r][h] = scales[(size_t)row * groups + k / GS];
+            rd.bi[u][r][h] = biases[(size_t)row * groups + k / GS];
           } else {
 #pragma unroll
-            for (int v = 0; v < V; ++v) wv[u][r][h][v] = make_uint4(0, 0, 0, 0);
-            sc[u][r][h] = from_float<T>(0.0f);
-            bi[u][r][h] = from_float<T>(0.0f);
+            for (int v = 0; v < V; ++v) rd.wv[u][r][h][v] = make_uint4(0, 0, 0, 0);
+            rd.sc[u][r][h] = from_float<T>(0.0f);
+            rd.bi[u][r][h] = from_float<T>(0.0f);
           }
         }
       }
     }
   };
 
-  load(0);  // the first weights are in flight while the activations are staged
+  load(ping, 0);  // the first two rounds are in flight while the activations are staged
+  load(pong, U);
 
   // Stage x[:, slice] as [block][chunk j][token tile][token][thread t] of 16-byte units,
   // the 8 inputs of each unit in the order (0, 4, 1, 5, 2, 6, 3, 7). Only the M real token
@@ -213,7 +220,7 @@ __device__ __forceinline__ void qmm_decode(
       for (int e = 0; e < 4; ++e) acc[r][n][e] = 0.0f;
 
   using T2 = typename Pair<T>::type;
-  for (int round = 0; round < mine; round += U) {
+  auto compute = [&](const Round& rd, int round) {
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       if (round + u >= mine) break;
@@ -224,10 +231,10 @@ __device__ __forceinline__ void qmm_decode(
       for (int r = 0; r < R; ++r)
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-          s2[r][h] = bits_of(T2(sc[u][r][h], sc[u][r][h]));
-          b2[r][h] = bits_of(T2(bi[u][r][h], bi[u][r][h]));
-          sf[r][h] = to_float(sc[u][r][h]);
-          bf[r][h] = to_float(bi[u][r][h]);
+          s2[r][h] = bits_of(T2(rd.sc[u][r][h], rd.sc[u][r][h]));
+          b2[r][h] = bits_of(T2(rd.bi[u][r][h], rd.bi[u][r][h]));
+          sf[r][h] = to_float(rd.sc[u][r][h]);
+          bf[r][h] = to_float(rd.bi[u][r][h]);
         }
 #pragma unroll
       for (int j = 0; j < 4; ++j) {  // 8 inputs per thread, two mma k-steps
@@ -240,14 +247,14 @@ __device__ __forceinline__ void qmm_decode(
 #pragma unroll
           for (int h = 0; h < 2; ++h) {
             if constexpr (BITS == 4) {
-              const uint32_t word = word_of(wv[u][r][h][0], j);
+              const uint32_t word = word_of(rd.wv[u][r][h][0], j);
               a0[h] = dequant4<T>(word, 0, s2[r][h], b2[r][h]);
               a0[2 + h] = dequant4<T>(word, 4, s2[r][h], b2[r][h]);
               a1[h] = dequant4<T>(word, 8, s2[r][h], b2[r][h]);
               a1[2 + h] = dequant4<T>(word, 12, s2[r][h], b2[r][h]);
             } else {
-              const uint32_t lo = word_of(wv[u][r][h][j >> 1], (2 * j) & 3);
-              const uint32_t hi = word_of(wv[u][r][h][j >> 1], (2 * j + 1) & 3);
+              const uint32_t lo = word_of(rd.wv[u][r][h][j >> 1], (2 * j) & 3);
+              const uint32_t hi = word_of(rd.wv[u][r][h][j >> 1], (2 * j + 1) & 3);
               float q[8];
 #pragma unroll
               for (int e = 0; e < 4; ++e) {
@@ -268,7 +275,13 @@ __device__ __forceinline__ void qmm_decode(
         }
       }
     }
-    if (round + U < mine) load(round + U);
+  };
+  for (int round = 0; round < mine; round += 2 * U) {
+    compute(ping, round);
+    if (round + 2 * U < mine) load(ping, round + 2 * U);
+    if (round + U >= mine) break;
+    compute(pong, round + U);
+    if (round + 3 * U < mine) load(pong, round + 3 * U);
   }
 
   // Reduce the K-warps in a fixed order: [token][channel] floats in shared memory.

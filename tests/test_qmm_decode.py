@@ -119,17 +119,19 @@ def test_a_launch_carries_partials_and_counters_only_when_k_is_split_mocked_cuda
     monkeypatch.setattr(qmm_decode, "_kernel", kernel)
     qmm_decode.launch_for.cache_clear()
     try:
-        wide = DecodeQuantizedLinear.of(quantized(k=4096, n=4096))  # 256 CTAs already: K whole
-        narrow = DecodeQuantizedLinear.of(quantized(k=4096, n=128))  # 8 CTAs: K split
-        x = mx.zeros((2, 1, 4096), dtype=mx.bfloat16)
-        assert wide(x).shape == (2, 1, 4096) and narrow(x).shape == (2, 1, 128)  # no reshape of x
-        assert calls[0]["split"] is False and calls[0]["inputs"] == 4 and calls[0]["shapes"] == [(2, 1, 4096)]
+        config = qmm_decode.default_config(2, 4)
+        n_wide = config.block_n * config.ctas  # the CTA target already, one slice: K whole
+        wide = DecodeQuantizedLinear.of(quantized(k=config.slice_k, n=n_wide))
+        narrow = DecodeQuantizedLinear.of(quantized(k=4096, n=128))  # 1 CTA column: K split
+        x, x_narrow = mx.zeros((2, 1, config.slice_k), dtype=mx.bfloat16), mx.zeros((2, 1, 4096), dtype=mx.bfloat16)
+        assert wide(x).shape == (2, 1, n_wide) and narrow(x_narrow).shape == (2, 1, 128)  # no reshape of x
+        assert calls[0]["split"] is False and calls[0]["inputs"] == 4 and calls[0]["shapes"] == [(2, 1, n_wide)]
         splits = calls[1]["grid"][1]
         assert calls[1]["split"] is True and calls[1]["inputs"] == 5 and splits > 1
         assert calls[1]["shapes"] == [(2, 1, 128), (splits * 2 * 128,)]
         wide(x)
         assert wide.calls == 2 and list(wide._launches) == [2]  # one launch per token count, reused
-        assert type(wide(mx.zeros((2, 1, 4096), dtype=mx.float16))) is mx.array and wide.calls == 2  # fp16: MLX's path
+        assert type(wide(x.astype(mx.float16))) is mx.array and wide.calls == 2  # fp16: MLX's path
     finally:
         qmm_decode.launch_for.cache_clear()
 

@@ -16,7 +16,8 @@ barely helps; omlx's `qmm_decode` kernel (kernels/qmm_decode.cu) and the dense-c
            margins against a fp32 reference model (dequantized weights, fp32 activations)
   layers   per layer, chained in one graph (what a decode step sees, CPU launch cost
            included): 4096x4096, 4096x12288 and 12288x4096 (in x out) at M = 1..64 tokens:
-           MLX qmm, ours, dense bf16; 12288x4096 is measured as (up, down) pairs minus up
+           MLX qmm, ours, dense bf16; 12288x4096 is measured as (up, down) pairs minus up;
+           --sweep also times every launch shape of SWEEP (how DEFAULTS were chosen)
   kernels  the same layers' GPU time alone, per kernel, under Nsight Compute (caches
            flushed before each kernel, so weights come from HBM), with a sweep of the
            kernel's launch shapes; skipped with the reason where ncu is absent
@@ -27,7 +28,7 @@ barely helps; omlx's `qmm_decode` kernel (kernels/qmm_decode.cu) and the dense-c
            kernel: what the GPU spends against the wall clock
 
     python scripts/bench/decode.py [--parts exact,greedy,margins,layers,kernels,model,profile] [--tokens 1,2,4,8,16,32,64]
-        [--batches 1,8,32] [--matmul kernel|dense] [--quick] [--repeats 5] [--workdir DIR] [--save FILE] [--json]
+        [--batches 1,8,32] [--matmul kernel|dense] [--quick] [--sweep] [--repeats 5] [--workdir DIR] [--save FILE] [--json]
 
 MLX compiles its CUDA quantized matmul for 8+ tokens at run time (CUTLASS, per shape and
 format: minutes for the whole matrix); `--quick` uses MLX's result only below 8 tokens
@@ -53,6 +54,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from functools import lru_cache
 from pathlib import Path
 
@@ -360,19 +362,33 @@ def make_layers(k: int, n: int, budget: int = 4 * L2_BYTES):
     return layers, dense, locks
 
 
-def variants(layers, dense, locks):
+def variants(layers, dense, locks, configs=(), with_mlx: bool = True):
+    """name -> step(i, x): MLX's qmm (unless `with_mlx` is false), ours at its default launch
+    shape and at each of `configs` (name "ours <config>"), and the dense bf16 matmul."""
     def mlx(i, x):
         wq, s, b = layers[i % len(layers)]
         return mx.quantized_matmul(x, wq, s, b, transpose=True, group_size=GROUP, bits=BITS)
 
-    def ours(i, x):
-        wq, s, b = layers[i % len(layers)]
-        return qmm_decode.quantized_matmul_decode(x, wq, s, b, GROUP, BITS, locks=locks[i % len(layers)])
+    def ours(config=None):
+        def step(i, x):
+            wq, s, b = layers[i % len(layers)]
+            return qmm_decode.quantized_matmul_decode(x, wq, s, b, GROUP, BITS, locks=locks[i % len(layers)],
+                                                      config=config)
+        return step
 
     def bf16(i, x):
         return x @ dense[i % len(dense)].T
 
-    return {"mlx_qmm": mlx, "ours": ours, "dense_bf16": bf16}
+    steps = {"mlx_qmm": mlx} if with_mlx else {}
+    steps["ours"] = ours()
+    steps.update({f"ours {config_label(config)}": ours(config) for config in configs})
+    steps["dense_bf16"] = bf16
+    return steps
+
+
+def config_label(config) -> str:
+    c = config
+    return f"t{c.tiles} r{c.rows} n{c.warps_n} k{c.warps_k} u{c.rounds} c{c.slice_k} o{c.occupancy} ctas{c.ctas}"
 
 
 def bandwidth(nbytes: int, seconds: float) -> float:
@@ -381,24 +397,28 @@ def bandwidth(nbytes: int, seconds: float) -> float:
 
 # -- layers (chained, wall clock) ----------------------------------------------------------
 
-def run_layers(tokens, repeats: int, calls: int = 48) -> dict:
+def run_layers(tokens, repeats: int, quick: bool = False, sweep: bool = False, calls: int = 48) -> dict:
+    """`quick`: MLX's qmm only below 8 tokens (no run-time compiles); `sweep`: also every
+    launch shape of SWEEP at each CTA target."""
     up_k, up_n = LAYERS[1]
     built = {shape: make_layers(*shape) for shape in LAYERS}
     floor = {}
     rows = []
     for m in tokens:
+        configs = [replace(c, ctas=ctas) for c in sweep_configs(m) for ctas in CTAS] if sweep else ()
+        with_mlx = not quick or m < 8
         x_small = mx.random.normal((m, 4096)).astype(mx.bfloat16)
         floor[m] = chain_seconds(lambda i, x: x + 1, x_small, calls, repeats)
         timed = {}
         for k, n in LAYERS[:2]:
             layers, dense, locks = built[(k, n)]
             x = mx.random.normal((m, k)).astype(mx.bfloat16)
-            for name, step in variants(layers, dense, locks).items():
+            for name, step in variants(layers, dense, locks, configs, with_mlx).items():
                 chained = step if n == k else (lambda s: lambda i, y: s(i, prefix(y, k) if y.shape[1] != k else y))(step)
                 timed[(k, n, name)] = chain_seconds(chained, x, calls, repeats)
         x = mx.random.normal((m, up_k)).astype(mx.bfloat16)
-        up = variants(*built[LAYERS[1]])
-        down = variants(*built[LAYERS[2]])
+        up = variants(*built[LAYERS[1]], configs, with_mlx)
+        down = variants(*built[LAYERS[2]], configs, with_mlx)
         for name in up:
             pair = (lambda u, d: lambda i, y: d(i, u(i, y)))(up[name], down[name])
             timed[(*LAYERS[2], name)] = max(0.0, chain_seconds(pair, x, calls // 2, repeats)
@@ -407,25 +427,29 @@ def run_layers(tokens, repeats: int, calls: int = 48) -> dict:
             nbytes = k * n * 2 if name == "dense_bf16" else layer_bytes(built[(k, n)][0][0])
             rows.append({"k": k, "n": n, "m": m, "variant": name, "us": seconds * 1e6,
                          "gbps": bandwidth(nbytes, seconds), "derived": (k, n) == LAYERS[2]})
-        log(f"layers M={m}: " + ", ".join(f"{k}x{n} {name} {s * 1e6:.1f}us" for (k, n, name), s in timed.items()))
+        log(f"layers M={m}: " + ", ".join(f"{k}x{n} {name} {s * 1e6:.1f}us" for (k, n, name), s in timed.items()
+                                          if not name.startswith("ours ")))
     return {"method": f"{calls} dependent calls per graph, median of {repeats}; 12288x4096 = (up, down) "
-                      "pair minus up", "floor_us": {str(m): s * 1e6 for m, s in floor.items()}, "rows": rows}
+                      "pair minus up; 'ours <shape>' rows: the launch-shape sweep",
+            "floor_us": {str(m): s * 1e6 for m, s in floor.items()}, "rows": rows,
+            "best": best_configs([r for r in rows if r["variant"].startswith("ours")])}
 
 
 # -- kernels (GPU time per kernel under ncu) ------------------------------------------------
 
-SWEEP = {
-    1: [(1, 1, 8, 4, 4096), (1, 1, 4, 4, 4096), (1, 2, 4, 4, 2048), (2, 1, 4, 2, 4096)],
-    2: [(1, 2, 4, 4, 2048), (1, 1, 8, 4, 2048), (2, 1, 4, 2, 2048), (1, 4, 2, 4, 1024)],
-    4: [(2, 2, 2, 2, 1024), (2, 4, 1, 2, 512), (1, 4, 2, 4, 1024), (1, 2, 4, 4, 1024)],
-    8: [(2, 4, 1, 2, 512), (1, 4, 2, 4, 512), (2, 2, 2, 2, 512), (1, 8, 1, 4, 512)],
+SWEEP = {  # (R, WR, WK, U, KC, occupancy) per token bucket; the default (DEFAULTS) is first
+    1: [(1, 8, 1, 2, 1024, 2), (1, 8, 1, 1, 1024, 4), (1, 4, 2, 2, 2048, 2), (1, 2, 4, 2, 4096, 3),
+        (2, 4, 1, 1, 1024, 2), (1, 8, 1, 2, 2048, 2)],
+    2: [(1, 4, 2, 2, 1024, 2), (2, 2, 2, 1, 1024, 3), (1, 8, 1, 1, 1024, 2), (2, 4, 1, 1, 1024, 2)],
+    4: [(2, 2, 2, 1, 1024, 3), (2, 4, 1, 1, 512, 3), (1, 4, 2, 1, 1024, 3), (1, 8, 1, 1, 512, 2)],
+    8: [(1, 4, 1, 1, 512, 3), (2, 4, 1, 1, 512, 2), (1, 4, 2, 1, 512, 2), (2, 2, 2, 1, 512, 2)],
 }
 CTAS = (qmm_decode.SMS, qmm_decode.SMS * 2, qmm_decode.SMS * 4)
 
 
 def sweep_configs(m: int) -> list:
     tiles = qmm_decode.tiles_for(m)
-    return [qmm_decode.Config(tiles, r, wn, wk, u, kc) for r, wn, wk, u, kc in SWEEP[tiles]]
+    return [qmm_decode.Config(tiles, r, wn, wk, u, kc, occupancy=o) for r, wn, wk, u, kc, o in SWEEP[tiles]]
 
 
 def kernel_blocks(tokens, quick: bool = False) -> list[dict]:
@@ -572,7 +596,7 @@ def best_configs(rows: list[dict]) -> list[dict]:
     best = {}
     for row in rows:
         key = (row["k"], row["n"], row["m"])
-        if row["variant"] == "ours" and (key not in best or row["us"] < best[key]["us"]):
+        if row["variant"].startswith("ours") and (key not in best or row["us"] < best[key]["us"]):
             best[key] = row
     return list(best.values())
 
@@ -816,7 +840,11 @@ def summary(result: dict) -> None:
     if "layers" in result:
         print(f"layers (chained, wall clock; floor per op {result['layers']['floor_us']} us):")
         for row in result["layers"]["rows"]:
-            print(f"  {row['k']:>5}x{row['n']:<5} M={row['m']:<2} {row['variant']:<10} {row['us']:8.1f} us "
+            if not row["variant"].startswith("ours "):
+                print(f"  {row['k']:>5}x{row['n']:<5} M={row['m']:<2} {row['variant']:<10} {row['us']:8.1f} us "
+                      f"{row['gbps']:7.0f} GB/s")
+        for row in result["layers"]["best"]:
+            print(f"  {row['k']:>5}x{row['n']:<5} M={row['m']:<2} best: {row['variant']:<10} {row['us']:8.1f} us "
                   f"{row['gbps']:7.0f} GB/s")
     if "kernels" in result:
         k = result["kernels"]
@@ -846,6 +874,7 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true", help="tiny model for the model part (a quick check)")
     parser.add_argument("--quick", action="store_true",
                         help="no run-time compiles of MLX's larger quantized kernels, no launch-shape sweep")
+    parser.add_argument("--sweep", action="store_true", help="layers: also time every launch shape of SWEEP")
     parser.add_argument("--batches", default="1,8,32", help="batch sizes of the model part")
     parser.add_argument("--save", default=None)
     parser.add_argument("--json", action="store_true")
@@ -885,7 +914,7 @@ def main() -> None:
             elif part == "margins":
                 result["margins"] = run_margins(workdir, args.matmul)
             elif part == "layers":
-                result["layers"] = run_layers(tokens, args.repeats)
+                result["layers"] = run_layers(tokens, args.repeats, args.quick, args.sweep)
             elif part == "kernels":
                 result["kernels"] = run_kernels(tokens, args.quick)
             elif part == "model":

@@ -59,9 +59,10 @@ class Config:
     rows: int  # R: 16-row tiles per warp
     warps_n: int  # WR
     warps_k: int  # WK
-    rounds: int  # U: 128-input blocks a warp loads at once
+    rounds: int  # U: 128-input blocks a warp loads at once (two rounds are in flight)
     slice_k: int  # KC: most inputs of one CTA's slice of K
     ctas: int = SMS  # the split of K aims at least at this many CTAs
+    occupancy: int = 4  # most CTAs an SM holds: the register budget of the launch bounds
 
     @property
     def threads(self) -> int:
@@ -79,8 +80,9 @@ class Config:
 
     @property
     def per_sm(self) -> int:
-        """CTAs one SM holds by shared memory (228 KiB, 1 KiB reserved each), at most 4."""
-        return max(1, min(4, (228 * 1024) // (self.shared_bytes + 1024), 2048 // self.threads))
+        """CTAs one SM holds by shared memory (228 KiB, 1 KiB reserved each) and threads, at
+        most `occupancy`."""
+        return max(1, min(self.occupancy, (228 * 1024) // (self.shared_bytes + 1024), 2048 // self.threads))
 
     def splits(self, n: int, k: int) -> int:
         """CTAs along K: each slice fits `slice_k`, and the grid reaches `ctas` CTAs when
@@ -92,27 +94,24 @@ class Config:
 
     def name(self, dtype: mx.Dtype, bits: int, group_size: int) -> str:
         return (f"omlx_qmm_{SHORT[dtype]}_b{bits}_g{group_size}_t{self.tiles}_r{self.rows}"
-                f"_n{self.warps_n}_k{self.warps_k}_u{self.rounds}_c{self.slice_k}")
+                f"_n{self.warps_n}_k{self.warps_k}_u{self.rounds}_c{self.slice_k}_o{self.per_sm}")
 
 
 def tiles_for(tokens: int) -> int:
     return 1 if tokens <= 8 else 2 if tokens <= 16 else 4 if tokens <= 32 else 8
 
 
+# The launch shape of each token bucket (tiles of 8 tokens): (R, WR, WK, U, KC, occupancy).
+DEFAULTS = {1: (1, 8, 1, 2, 1024, 2), 2: (1, 4, 2, 2, 1024, 2), 4: (2, 2, 2, 1, 1024, 3), 8: (1, 4, 1, 1, 512, 3)}
+
+
 def default_config(tokens: int, bits: int) -> Config:
-    """The launch shape for `tokens` tokens (1..64): more rows per CTA as tokens grow, so
-    the staged activations are reused by more output channels. The split of K aims at
-    one CTA per SM, two at 9..16 tokens: the fastest measured on the H200
-    (docs/benchmarks/decode-h200-qmm.json, 4096x4096, where the split is a choice)."""
+    """The launch shape for `tokens` tokens (1..64), from DEFAULTS: the fastest of the
+    candidates scripts/bench/decode.py timed on the H200, chained as a decode step runs
+    them. 8-bit weights take twice the registers per block, so they load one block a round."""
     tiles = tiles_for(tokens)
-    wide = bits == 8  # twice the weight registers per block
-    if tiles == 1:
-        return Config(1, 1, 1, 8, 2 if wide else 4, 4096)
-    if tiles == 2:
-        return Config(2, 1, 2, 4, 2 if wide else 4, 2048, ctas=2 * SMS)
-    if tiles == 4:
-        return Config(4, 2, 2, 2, 1 if wide else 2, 1024)
-    return Config(8, 2, 4, 1, 1 if wide else 2, 512)
+    rows, warps_n, warps_k, rounds, slice_k, occupancy = DEFAULTS[tiles]
+    return Config(tiles, rows, warps_n, warps_k, 1 if bits == 8 else rounds, slice_k, occupancy=occupancy)
 
 
 def supported(x_dtype: mx.Dtype, scales_dtype: mx.Dtype, bits: int, group_size: int, mode: str = "affine") -> str:
