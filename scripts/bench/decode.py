@@ -14,8 +14,8 @@ barely helps; omlx's `qmm_decode` kernel (kernels/qmm_decode.cu) and the dense-c
            qwen3_5 (4-bit g64), stock vs kernel vs dense copy (MLX's own dequantized bf16
            arithmetic, the control), and at the kernel's first difference the logit
            margins against a fp32 reference model (dequantized weights, fp32 activations)
-  layers   per layer, chained in one graph (what a decode step sees, CPU launch cost
-           included): 4096x4096, 4096x12288 and 12288x4096 (in x out) at M = 1..64 tokens:
+  layers   per layer, chained in one CUDA graph (as a decode step runs them), GPU time per
+           call and wall time: 4096x4096, 4096x12288 and 12288x4096 (in x out) at M = 1..64 tokens:
            MLX qmm, ours, dense bf16; 12288x4096 is measured as (up, down) pairs minus up;
            --sweep also times every launch shape of SWEEP (how DEFAULTS were chosen)
   kernels  the same layers' GPU time alone, per kernel, under Nsight Compute (caches
@@ -327,20 +327,34 @@ def run_margins(workdir: Path, matmul_name: str = "kernel", count: int = 64) -> 
 
 # -- timing helpers ------------------------------------------------------------------------
 
-def chain_seconds(step, x0: mx.array, calls: int, repeats: int) -> float:
-    """Seconds per call of `calls` dependent calls evaluated as one graph (median)."""
-    def once() -> float:
+# The layers part's process commits each chain to the GPU as one CUDA graph (MLX on sm_90
+# commits every 100 kernels or 1000 MB by default): see chain_seconds.
+ONE_GRAPH = {"MLX_MAX_OPS_PER_BUFFER": "100000", "MLX_MAX_MB_PER_BUFFER": "1000000"}
+
+
+def chain_seconds(step, x0: mx.array, calls: int, repeats: int) -> tuple[float, float]:
+    """(wall, GPU) seconds per call of `calls` dependent calls evaluated as one graph (medians).
+
+    Wall: the host's encoding included; on the H200 machine the host spends ~10 us on every
+    op, more than a small layer's GPU time. GPU: from the return of `mx.async_eval` (the
+    graph encoded, committed and launched) to the end of `mx.synchronize`; with ONE_GRAPH in
+    the environment the graph holds the whole chain, so this is the GPU running the calls
+    back to back (the kernels and the gaps between them), as a decode step's graph does."""
+    def once() -> tuple[float, float]:
         mx.synchronize()
         start = time.perf_counter()
         y = x0
         for i in range(calls):
             y = step(i, y)
-        mx.eval(y)
+        mx.async_eval(y)
+        launched = time.perf_counter()
         mx.synchronize()
-        return (time.perf_counter() - start) / calls
+        end = time.perf_counter()
+        return (end - start) / calls, (end - launched) / calls
 
     once()  # compile and warm up
-    return statistics.median(once() for _ in range(repeats))
+    timings = [once() for _ in range(repeats)]
+    return statistics.median(t[0] for t in timings), statistics.median(t[1] for t in timings)
 
 
 def prefix(y: mx.array, k: int) -> mx.array:
@@ -395,11 +409,23 @@ def bandwidth(nbytes: int, seconds: float) -> float:
     return nbytes / seconds / 1e9 if seconds > 0 else 0.0
 
 
-# -- layers (chained, wall clock) ----------------------------------------------------------
+# -- layers (chained in one graph) ---------------------------------------------------------
 
-def run_layers(tokens, repeats: int, quick: bool = False, sweep: bool = False, calls: int = 48) -> dict:
-    """`quick`: MLX's qmm only below 8 tokens (no run-time compiles); `sweep`: also every
-    launch shape of SWEEP at each CTA target."""
+def run_layers(tokens, repeats: int, quick: bool = False, sweep: bool = False, timeout: float = 900) -> dict:
+    """The layers part in a child process with ONE_GRAPH set (MLX reads the limits when it
+    first uses the GPU). `quick`: MLX's qmm only below 8 tokens (no run-time compiles);
+    `sweep`: also every launch shape of SWEEP at each CTA target."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "layers.json"
+        command = [sys.executable, __file__, "--layers-child", str(out), "--tokens", ",".join(map(str, tokens)),
+                   "--repeats", str(repeats)] + (["--quick"] if quick else []) + (["--sweep"] if sweep else [])
+        done = subprocess.run(command, env=os.environ | ONE_GRAPH, timeout=timeout)
+        if done.returncode != 0 or not out.is_file():
+            raise RuntimeError(f"layers child exited {done.returncode}")
+        return json.loads(out.read_text())
+
+
+def layers_child(tokens, repeats: int, quick: bool, sweep: bool, out: Path, calls: int = 48) -> None:
     up_k, up_n = LAYERS[1]
     built = {shape: make_layers(*shape) for shape in LAYERS}
     floor = {}
@@ -420,19 +446,20 @@ def run_layers(tokens, repeats: int, quick: bool = False, sweep: bool = False, c
         up = variants(*built[LAYERS[1]], configs, with_mlx)
         down = variants(*built[LAYERS[2]], configs, with_mlx)
         for name in up:
-            pair = (lambda u, d: lambda i, y: d(i, u(i, y)))(up[name], down[name])
-            timed[(*LAYERS[2], name)] = max(0.0, chain_seconds(pair, x, calls // 2, repeats)
-                                             - timed[(up_k, up_n, name)])
-        for (k, n, name), seconds in timed.items():
+            pair = chain_seconds((lambda u, d: lambda i, y: d(i, u(i, y)))(up[name], down[name]), x, calls // 2, repeats)
+            timed[(*LAYERS[2], name)] = tuple(max(0.0, p - u) for p, u in zip(pair, timed[(up_k, up_n, name)]))
+        for (k, n, name), (wall, gpu) in timed.items():
             nbytes = k * n * 2 if name == "dense_bf16" else layer_bytes(built[(k, n)][0][0])
-            rows.append({"k": k, "n": n, "m": m, "variant": name, "us": seconds * 1e6,
-                         "gbps": bandwidth(nbytes, seconds), "derived": (k, n) == LAYERS[2]})
-        log(f"layers M={m}: " + ", ".join(f"{k}x{n} {name} {s * 1e6:.1f}us" for (k, n, name), s in timed.items()
+            rows.append({"k": k, "n": n, "m": m, "variant": name, "us": gpu * 1e6, "wall_us": wall * 1e6,
+                         "gbps": bandwidth(nbytes, gpu), "derived": (k, n) == LAYERS[2]})
+        log(f"layers M={m}: " + ", ".join(f"{k}x{n} {name} {gpu * 1e6:.1f}us" for (k, n, name), (_, gpu) in timed.items()
                                           if not name.startswith("ours ")))
-    return {"method": f"{calls} dependent calls per graph, median of {repeats}; 12288x4096 = (up, down) "
-                      "pair minus up; 'ours <shape>' rows: the launch-shape sweep",
-            "floor_us": {str(m): s * 1e6 for m, s in floor.items()}, "rows": rows,
-            "best": best_configs([r for r in rows if r["variant"].startswith("ours")])}
+    out.write_text(json.dumps({
+        "method": f"{calls} dependent calls as one CUDA graph, median of {repeats}: us = GPU time per call (from "
+                  "the graph's launch to its end), wall_us = with the host's encoding; 12288x4096 = (up, down) "
+                  "pair minus up; 'ours <shape>' rows: the launch-shape sweep",
+        "floor_us": {str(m): {"wall": w * 1e6, "gpu": g * 1e6} for m, (w, g) in floor.items()}, "rows": rows,
+        "best": best_configs([r for r in rows if r["variant"].startswith("ours")])}))
 
 
 # -- kernels (GPU time per kernel under ncu) ------------------------------------------------
@@ -838,7 +865,7 @@ def summary(result: dict) -> None:
         print(f"greedy {g['arch']} {g['bits']}-bit g{g['group']}: identical={g['identical']} "
               f"({g['kernel_calls']} calls)")
     if "layers" in result:
-        print(f"layers (chained, wall clock; floor per op {result['layers']['floor_us']} us):")
+        print(f"layers (chained, GPU time per call; floor per op {result['layers']['floor_us']} us):")
         for row in result["layers"]["rows"]:
             if not row["variant"].startswith("ours "):
                 print(f"  {row['k']:>5}x{row['n']:<5} M={row['m']:<2} {row['variant']:<10} {row['us']:8.1f} us "
@@ -880,11 +907,15 @@ def main() -> None:
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--kernels-child", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--profile-child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--layers-child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     tokens = tuple(int(t) for t in args.tokens.split(","))
     batches = tuple(int(b) for b in args.batches.split(","))
     if args.kernels_child:
         kernels_child(tokens, Path(args.kernels_child), args.quick)
+        return
+    if args.layers_child:
+        layers_child(tokens, args.repeats, args.quick, args.sweep, Path(args.layers_child))
         return
     if args.profile_child:
         profile_child(Path(args.workdir), args.tiny, batches)
