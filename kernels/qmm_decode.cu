@@ -108,11 +108,12 @@ __device__ __forceinline__ void mma<__half>(float* c, const uint32_t* a, uint32_
 // max(8 * NT * KC * 2, 8 * NT * (16 * R * WR + 4) * 4) bytes. K is a multiple of 32 and
 // of GS. When gridDim.y > 1, `locks` holds gridDim.x zeros and is left zero and `partial`
 // holds gridDim.y * M * N floats; with one slice per row tile neither is touched (null).
+// `tile` is this CTA's column of row tiles (blockIdx.x, or its place in a segment).
 template <typename T, int BITS, int GS, int NT, int R, int WR, int WK, int U, int KC>
 __device__ __forceinline__ void qmm_decode(
     const T* __restrict__ x, const uint32_t* __restrict__ w, const T* __restrict__ scales,
     const T* __restrict__ biases, const int32_t* locks, T* __restrict__ out,
-    float* __restrict__ partial, int M, int K, int N) {
+    float* __restrict__ partial, int M, int K, int N, int tile) {
   static_assert(BITS == 4 || BITS == 8, "4 or 8 bits");
   static_assert(GS == 32 || GS == 64 || GS == 128, "group size 32, 64 or 128");
   static_assert(KC % 128 == 0, "K slices are whole 128-input blocks");
@@ -131,7 +132,7 @@ __device__ __forceinline__ void qmm_decode(
   const int first = split * per_cta;
   const int own = max(0, min(per_cta, blocks - first));  // this CTA's 128-input blocks
   const int mine = own > wk ? (own - wk + WK - 1) / WK : 0;  // this warp's: wk, wk + WK, ...
-  const int row0 = blockIdx.x * BN + wr * 16 * R;
+  const int row0 = tile * BN + wr * 16 * R;
   const size_t row_words = (size_t)K * BITS / 32;
   const int groups = K / GS;
 
@@ -304,7 +305,7 @@ __device__ __forceinline__ void qmm_decode(
     __syncthreads();
   }
 
-  const int col0 = blockIdx.x * BN;
+  const int col0 = tile * BN;
   const int width = min(BN, N - col0);
   if (splits == 1) {
     for (int idx = threadIdx.x; idx < M * BN; idx += blockDim.x) {
@@ -323,7 +324,7 @@ __device__ __forceinline__ void qmm_decode(
   __threadfence();
   __syncthreads();
   if (threadIdx.x == 0) {
-    const int before = atomicAdd(const_cast<int32_t*>(locks) + blockIdx.x, 1);
+    const int before = atomicAdd(const_cast<int32_t*>(locks) + tile, 1);
     last_arrival = before == splits - 1;
   }
   __syncthreads();
@@ -337,7 +338,41 @@ __device__ __forceinline__ void qmm_decode(
       out[(size_t)m * N + col0 + c] = from_float<T>(sum);
     }
   }
-  if (threadIdx.x == 0) atomicExch(const_cast<int32_t*>(locks) + blockIdx.x, 0);
+  if (threadIdx.x == 0) atomicExch(const_cast<int32_t*>(locks) + tile, 0);
+}
+
+// S linears of one input in one launch (q/k/v, or gate/up): segment s has its own weights,
+// scales, biases, N[s] rows and output. The grid's columns are the segments' row tiles one
+// after another; a CTA computes the tile it falls on, with that segment's counters (the
+// segments' tiles follow each other in `locks`) and partials (gridDim.y * M * N[s] floats
+// each, one after another). One launch instead of S: a decode step pays the host for
+// every launch, and each launch's ramp and tail on the GPU.
+template <typename T, int BITS, int GS, int NT, int R, int WR, int WK, int U, int KC, int S>
+__device__ __forceinline__ void qmm_decode_segments(
+    const T* __restrict__ x, const uint32_t* const (&w)[S], const T* const (&scales)[S],
+    const T* const (&biases)[S], const int (&N)[S], const int32_t* locks, T* const (&out)[S],
+    float* partial, int M, int K) {
+  constexpr int BN = 16 * R * WR;
+  // Every index below is a constant once unrolled: the pointers stay in registers.
+  int tile = blockIdx.x;
+  const uint32_t* ws = w[0];
+  const T *ss = scales[0], *bs = biases[0];
+  T* os = out[0];
+  int n = N[0];
+  bool found = false;
+#pragma unroll
+  for (int i = 0; i < S; ++i) {
+    const int tiles = (N[i] + BN - 1) / BN;
+    if (!found && (i + 1 == S || tile < tiles)) {
+      found = true;
+      ws = w[i], ss = scales[i], bs = biases[i], os = out[i], n = N[i];
+    } else if (!found) {
+      tile -= tiles;
+      if (locks != nullptr) locks += tiles;
+      if (partial != nullptr) partial += (size_t)gridDim.y * M * N[i];
+    }
+  }
+  qmm_decode<T, BITS, GS, NT, R, WR, WK, U, KC>(x, ws, ss, bs, locks, os, partial, M, K, n, tile);
 }
 
 }  // namespace omlx_qmm

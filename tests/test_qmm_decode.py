@@ -109,7 +109,7 @@ def test_a_launch_carries_partials_and_counters_only_when_k_is_split_mocked_cuda
     # Mocked: MLX's CUDA backend cannot exist here; the stand-in kernel records its call.
     calls = []
 
-    def kernel(config, dtype, bits, group_size, split):
+    def kernel(config, dtype, bits, group_size, split, segments=1):
         def run(inputs, output_shapes, output_dtypes, grid, threadgroup):
             calls.append({"split": split, "inputs": len(inputs), "shapes": output_shapes, "grid": grid})
             return [mx.zeros(shape, dtype=d) for shape, d in zip(output_shapes, output_dtypes)]
@@ -134,6 +134,76 @@ def test_a_launch_carries_partials_and_counters_only_when_k_is_split_mocked_cuda
         assert type(wide(x.astype(mx.float16))) is mx.array and wide.calls == 2  # fp16: MLX's path
     finally:
         qmm_decode.launch_for.cache_clear()
+
+
+def reference_kernel(calls: list):
+    """A stand-in for MLX's CUDA kernel (mocked: the CUDA backend cannot exist here) that
+    computes what the kernel computes, each linear of the launch by mx.quantized_matmul,
+    and records each launch."""
+    def kernel(config, dtype, bits, group_size, split, segments=1):
+        def run(inputs, output_shapes, output_dtypes, grid, threadgroup):
+            calls.append({"segments": segments, "x": inputs[0]})
+            x, weights = inputs[0], inputs[1:1 + 3 * segments]
+            outs = [mx.quantized_matmul(x, *weights[3 * s:3 * s + 3], transpose=True, group_size=group_size,
+                                        bits=bits) for s in range(segments)]
+            return outs + ([mx.zeros(output_shapes[-1], dtype=mx.float32)] if split else [])
+        return run
+    return kernel
+
+
+@pytest.fixture
+def reference_cuda(monkeypatch):
+    calls = []
+    monkeypatch.setattr(qmm_decode, "kernel_available", lambda: "")
+    monkeypatch.setattr(qmm_decode, "_kernel", reference_kernel(calls))
+    qmm_decode.launch_for.cache_clear()
+    yield calls
+    qmm_decode.launch_for.cache_clear()
+
+
+def test_siblings_of_one_input_are_grouped_into_one_launch_mocked_cuda(tiny_path, reference_cuda):
+    model, _ = load(str(tiny_path))
+    tokens = mx.array([[3, 14, 15], [9, 2, 6]])
+    stock = model(tokens)
+    paths = qmm_decode.install(model, formats=ALL_FORMATS)
+    layers = len(model.layers)
+    attention = model.layers[0].self_attn
+    assert attention.q_proj._group is attention.k_proj._group is attention.v_proj._group is not None
+    assert model.layers[0].mlp.gate_proj._group is model.layers[0].mlp.up_proj._group is not None
+    assert model.layers[0].mlp.down_proj._group is None and attention.o_proj._group is None
+    grouped = model(tokens)  # 6 tokens: every linear on the (reference) kernel
+    assert mx.array_equal(grouped, stock)  # each linear got its own output, not a sibling's
+    # Per layer: q/k/v in one launch, gate/up in one, o and down alone (and the head, if quantized).
+    assert [c["segments"] for c in reference_cuda[:4]] == [3, 1, 2, 1]
+    assert len(reference_cuda) == 4 * layers + ("lm_head" in paths) and len(paths) == 7 * layers + ("lm_head" in paths)
+    assert all(m.calls == 1 for m in quantized_linears(model).values() if isinstance(m, DecodeQuantizedLinear))
+    assert attention.q_proj._group.x is None  # every kept output handed out: x is not held
+
+
+def test_a_grouped_linear_called_with_another_input_launches_again_mocked_cuda(reference_cuda):
+    model = nn.Module()
+    model.q_proj, model.k_proj = quantized(n=64), quantized(n=32)
+    model.v_proj = quantized(n=32)
+    qmm_decode.install(model, formats=ALL_FORMATS)
+    x, other = (mx.random.normal((4, 128)).astype(mx.bfloat16) for _ in range(2))
+    q = model.q_proj(x)
+    k_other = model.k_proj(other)  # not the input q was launched with: its own launch
+    assert len(reference_cuda) == 2 and reference_cuda[1]["x"] is other
+    expected = mx.quantized_matmul(other, model.k_proj.weight, model.k_proj.scales, model.k_proj.biases,
+                                   transpose=True, group_size=64, bits=4)
+    assert mx.array_equal(k_other, expected) and q.shape == (4, 64)
+    assert model.v_proj(other).shape == (4, 32) and len(reference_cuda) == 2  # kept from that launch
+
+
+def test_no_group_across_formats_or_when_asked_not_to(reference_cuda):
+    model = nn.Module()
+    model.gate_proj, model.up_proj = quantized(n=64, bits=4), quantized(n=64, bits=8)
+    qmm_decode.install(model, formats=ALL_FORMATS)
+    assert model.gate_proj._group is None and model.up_proj._group is None
+    same = nn.Module()
+    same.gate_proj, same.up_proj = quantized(n=64), quantized(n=64)
+    qmm_decode.install(same, formats=ALL_FORMATS, group=False)
+    assert same.gate_proj._group is None
 
 
 # -- module replacement and composition ----------------------------------------------------
@@ -232,13 +302,14 @@ def test_install_kernels_leaves_the_model_alone_here(tiny_path):
 # -- the source compiles for the H200 --------------------------------------------------------
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
-@pytest.mark.parametrize("tokens,bits,group,dtype,split", [(1, 4, 64, mx.bfloat16, False), (1, 4, 64, mx.bfloat16, True),
-                                                           (9, 8, 32, mx.bfloat16, True), (17, 4, 128, mx.float16, True),
-                                                           (64, 8, 64, mx.bfloat16, False)])
-def test_kernel_compiles_for_sm90_within_its_register_budget(tmp_path, tokens, bits, group, dtype, split):
+@pytest.mark.parametrize("tokens,bits,group,dtype,split,segments", [
+    (1, 4, 64, mx.bfloat16, False, 1), (1, 4, 64, mx.bfloat16, True, 1), (9, 8, 32, mx.bfloat16, True, 1),
+    (17, 4, 128, mx.float16, True, 1), (64, 8, 64, mx.bfloat16, False, 1), (1, 4, 64, mx.bfloat16, True, 3),
+    (33, 8, 64, mx.bfloat16, True, 2)])
+def test_kernel_compiles_for_sm90_within_its_register_budget(tmp_path, tokens, bits, group, dtype, split, segments):
     config = qmm_decode.default_config(tokens, bits)
     source = tmp_path / "k.cu"
-    source.write_text(qmm_decode.generated_source(config, dtype, bits, group, split))
+    source.write_text(qmm_decode.generated_source(config, dtype, bits, group, split, segments=segments))
     done = subprocess.run(["nvcc", "-arch=sm_90a", "-cubin", "-Xptxas", "-v", "-o", str(tmp_path / "k.cubin"),
                            str(source)], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
@@ -246,6 +317,7 @@ def test_kernel_compiles_for_sm90_within_its_register_budget(tmp_path, tokens, b
     spilled = int(re.search(r"(\d+) bytes spill stores", done.stderr).group(1))
     assert registers <= 65536 // (config.threads * config.per_sm)  # the launch bounds took effect
     assert spilled <= 64
+    assert int(re.search(r"(\d+) bytes stack frame", done.stderr).group(1)) == 0  # the segment pointers stay in registers
 
 
 # -- the dense copy ----------------------------------------------------------------------------

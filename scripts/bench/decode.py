@@ -173,6 +173,8 @@ def run_exact(matmul, cases=None, quick: bool = False) -> dict:
                 for m in {1, 8 * config.tiles - 5, 8 * config.tiles}:
                     row = exact_row(matmul, layer, 4, 64, mx.bfloat16, k, n, m, True, config=config, ctas=ctas)
                     rows.append({**row, "config": config.__dict__ | {"ctas": ctas}})
+    if matmul is qmm_decode.quantized_matmul_decode:
+        rows += grouped_rows(quick)
     formats = {}
     for row in rows:
         key = f"{row['dtype']}/{row['bits']}bit/g{row['group']}"
@@ -181,6 +183,31 @@ def run_exact(matmul, cases=None, quick: bool = False) -> dict:
     return {"tolerance": TOLERANCE, "cases": len(rows), "failed": sum(not r["ok"] for r in rows),
             "strict_failed": sum(not r["strict"] for r in rows),
             "formats": formats, "worst": worst, "rows": rows}
+
+
+GROUPED_CASES = ((4, 64, 1088, (1001, 17, 256)), (8, 32, 1056, (17, 1001)), (4, 128, 1152, (256, 1001, 17)),
+                 (4, 64, 4096, (4096, 1024, 1024)), (4, 64, 4096, (12288, 12288)))
+
+
+def grouped_rows(quick: bool) -> list[dict]:
+    """One launch over several linears of one input (q/k/v, gate/up): every output against
+    MLX's (below 8 tokens, or without --quick) and the fp32 result, as `compare` checks one
+    linear's; segments of odd sizes and below one CTA tile."""
+    rows = []
+    for bits, group, k, ns in GROUPED_CASES:
+        layers = [quantized_layer(k, n, bits, group, seed=bits * 1000 + group + n + i) for i, n in enumerate(ns)]
+        for m in (1, 9, 17, 33, 64):
+            x = mx.random.normal((m, k), key=mx.random.key(m + 7)).astype(mx.bfloat16)
+            outs = qmm_decode.grouped_matmul_decode(x, layers, group, bits)
+            for n, (wq, scales, biases), ours in zip(ns, layers, outs):
+                w32 = mx.dequantize(wq, scales, biases, group_size=group, bits=bits, dtype=mx.float32)
+                ref = (mx.quantized_matmul(x, wq, scales, biases, transpose=True, group_size=group, bits=bits)
+                       if not quick or m < 8 else None)
+                rows.append({"bits": bits, "group": group, "dtype": "bfloat16", "k": k, "n": n, "m": m,
+                             "segments": list(ns), **compare(ours, ref, x.astype(mx.float32) @ w32.T)})
+            log(f"exact grouped {bits}-bit g{group} {k}x{ns} M={m}: worst rel "
+                f"{max(r['rel_max'] for r in rows[-len(ns):]):.2e} ok={all(r['ok'] for r in rows[-len(ns):])}")
+    return rows
 
 
 # -- greedy --------------------------------------------------------------------------------
@@ -466,10 +493,12 @@ def layers_child(tokens, repeats: int, quick: bool, sweep: bool, out: Path, call
 
 SWEEP = {  # (R, WR, WK, U, KC, occupancy) per token bucket; the default (DEFAULTS) is first
     1: [(1, 8, 1, 2, 1024, 2), (1, 8, 1, 1, 1024, 4), (1, 4, 2, 2, 2048, 2), (1, 2, 4, 2, 4096, 3),
-        (2, 4, 1, 1, 1024, 2), (1, 8, 1, 2, 2048, 2)],
+        (2, 4, 1, 1, 1024, 2), (1, 8, 1, 2, 2048, 2), (2, 8, 1, 2, 1024, 2), (1, 8, 1, 4, 1024, 2)],
     2: [(1, 4, 2, 2, 1024, 2), (2, 2, 2, 1, 1024, 3), (1, 8, 1, 1, 1024, 2), (2, 4, 1, 1, 1024, 2)],
-    4: [(2, 2, 2, 1, 1024, 3), (2, 4, 1, 1, 512, 3), (1, 4, 2, 1, 1024, 3), (1, 8, 1, 1, 512, 2)],
-    8: [(1, 4, 1, 1, 512, 3), (2, 4, 1, 1, 512, 2), (1, 4, 2, 1, 512, 2), (2, 2, 2, 1, 512, 2)],
+    4: [(2, 2, 2, 1, 1024, 3), (2, 4, 1, 1, 512, 3), (1, 4, 2, 1, 1024, 3), (1, 8, 1, 1, 512, 2),
+        (2, 8, 1, 1, 512, 1), (2, 4, 1, 1, 512, 2), (2, 4, 2, 1, 1024, 2)],
+    8: [(1, 4, 1, 1, 512, 3), (2, 4, 1, 1, 512, 2), (1, 4, 2, 1, 512, 2), (2, 2, 2, 1, 512, 2),
+        (2, 8, 1, 1, 512, 1), (1, 8, 1, 1, 512, 2)],
 }
 CTAS = (qmm_decode.SMS, qmm_decode.SMS * 2, qmm_decode.SMS * 4)
 
@@ -681,6 +710,9 @@ def decode_step_seconds(model, cache, batch: int, steps: int, repeats: int) -> d
     return {name: statistics.median(values) for name, values in timings.items()}
 
 
+VARIANTS = ("stock", "kernel_ungrouped", "kernel", "dense_copy")  # the model part's: kernel = grouped launches
+
+
 def run_model(workdir: Path, tiny: bool, batches=(1, 8, 32), ctx: int = 1024, steps: int = 8,
               repeats: int = 3) -> dict:
     """Each variant's step at each batch, as `decode_step_seconds` measures it (the row keys
@@ -704,6 +736,9 @@ def run_model(workdir: Path, tiny: bool, batches=(1, 8, 32), ctx: int = 1024, st
                 row[f"{name}_{part}_ms"] = seconds[part] * 1e3
 
         timed("stock")
+        paths = qmm_decode.install(model, formats=qmm_decode.ALL_FORMATS, min_tokens=1, group=False)
+        timed("kernel_ungrouped")
+        restore(model)
         paths = qmm_decode.install(model, formats=qmm_decode.ALL_FORMATS, min_tokens=1)
         timed("kernel")
         row["kernel_layers"] = len(paths)
@@ -713,13 +748,13 @@ def run_model(workdir: Path, tiny: bool, batches=(1, 8, 32), ctx: int = 1024, st
         row["dense_copy_extra_bytes"] = copy.extra_bytes
         del copy
         restore(model)
-        for name in ("stock", "kernel", "dense_copy"):
+        for name in VARIANTS:
             row[f"{name}_tps"] = batch / row[f"{name}_pipelined_ms"] * 1e3
         rows.append(row)
         log(f"model batch {batch}: " + ", ".join(
             f"{name} {row[name + '_pipelined_ms']:.2f} ms pipelined ({row[name + '_ms']:.2f} sync: Python "
             f"{row[name + '_build_ms']:.2f}, encode {row[name + '_encode_ms']:.2f})"
-            for name in ("stock", "kernel", "dense_copy")) + " per step")
+            for name in VARIANTS) + " per step")
         del cache
         mx.clear_cache()
     return {"model": str(path), "ctx": ctx, "steps": steps, "repeats": repeats,
@@ -887,8 +922,8 @@ def summary(result: dict) -> None:
                 print(f"  {row['k']:>5}x{row['n']:<5} M={row['m']:<2} ours best  {row['us']:8.2f} us "
                       f"{row['gbps']:7.0f} GB/s {row['config']}")
     for row in result.get("model", {}).get("rows", []):
-        print(f"model batch {row['batch']}: stock {row['stock_tps']:.0f} tok/s, kernel {row['kernel_tps']:.0f}, "
-              f"dense copy {row['dense_copy_tps']:.0f}")
+        print(f"model batch {row['batch']}: " + ", ".join(f"{name} {row[name + '_tps']:.0f}" for name in VARIANTS)
+              + " tok/s")
 
 
 def main() -> None:

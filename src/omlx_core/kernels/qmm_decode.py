@@ -135,49 +135,68 @@ def kernel_available() -> str:
     return "" if backend == "cuda" else f"needs MLX's CUDA backend (mx.fast.cuda_kernel); this MLX runs on {backend}"
 
 
-def inputs(split: bool) -> tuple:
-    """The kernel's inputs: the split of K across CTAs also needs the row tiles' counters."""
-    return ("x", "w", "scales", "biases", "locks") if split else ("x", "w", "scales", "biases")
+def segment_names(segments: int, name: str) -> list[str]:
+    """`name` for one linear; name0, name1, ... for the linears of a grouped launch."""
+    return [name] if segments == 1 else [f"{name}{s}" for s in range(segments)]
 
 
-def outputs(split: bool) -> tuple:
-    """Its outputs: split, also the slices' fp32 partial sums (one slice needs none)."""
-    return ("out", "partial") if split else ("out",)
+def inputs(split: bool, segments: int = 1) -> tuple:
+    """The kernel's inputs: x, then each linear's weight, scales and biases; the split of K
+    across CTAs also needs the row tiles' counters."""
+    names = ["x"]
+    for w, scales, biases in zip(*(segment_names(segments, n) for n in ("w", "scales", "biases"))):
+        names += [w, scales, biases]
+    return tuple(names + ["locks"] if split else names)
 
 
-def kernel_name(config: Config, dtype: mx.Dtype, bits: int, group_size: int, split: bool) -> str:
-    return config.name(dtype, bits, group_size) + ("" if split else "_whole")
+def outputs(split: bool, segments: int = 1) -> tuple:
+    """Its outputs: each linear's; split, also the slices' fp32 partial sums (one slice needs none)."""
+    names = segment_names(segments, "out")
+    return tuple(names + ["partial"] if split else names)
 
 
-def body(config: Config, dtype: mx.Dtype, bits: int, group_size: int, split: bool = True) -> str:
+def kernel_name(config: Config, dtype: mx.Dtype, bits: int, group_size: int, split: bool, segments: int = 1) -> str:
+    return config.name(dtype, bits, group_size) + ("" if split else "_whole") + ("" if segments == 1 else f"_s{segments}")
+
+
+def body(config: Config, dtype: mx.Dtype, bits: int, group_size: int, split: bool = True, segments: int = 1) -> str:
     """The kernel body: M is every leading dimension of x (a [B, L, K] input is launched
-    as it is, no reshape), K its last, N the weight's rows."""
+    as it is, no reshape), K its last, N[s] the rows of linear s's weight."""
     c = config
-    extra = "locks, out, partial" if split else "nullptr, out, nullptr"
+    t = DTYPES[dtype]
+    w, scales, biases, out = (segment_names(segments, n) for n in ("w", "scales", "biases", "out"))
     return ("int M = 1;\nfor (int i = 0; i + 1 < x_ndim; ++i) M *= x_shape[i];\n"
-            f"omlx_qmm::qmm_decode<{DTYPES[dtype]}, {bits}, {group_size}, {c.tiles}, {c.rows}, {c.warps_n}, "
-            f"{c.warps_k}, {c.rounds}, {c.slice_k}>(x, w, scales, biases, {extra}, "
-            "M, x_shape[x_ndim - 1], w_shape[0]);")
+            f"const uint32_t* ws[] = {{{', '.join(w)}}};\n"
+            f"const {t}* ss[] = {{{', '.join(scales)}}};\n"
+            f"const {t}* bs[] = {{{', '.join(biases)}}};\n"
+            f"const int ns[] = {{{', '.join(f'{name}_shape[0]' for name in w)}}};\n"
+            f"{t}* os[] = {{{', '.join(out)}}};\n"
+            f"omlx_qmm::qmm_decode_segments<{t}, {bits}, {group_size}, {c.tiles}, {c.rows}, {c.warps_n}, "
+            f"{c.warps_k}, {c.rounds}, {c.slice_k}, {segments}>(x, ws, ss, bs, ns, "
+            f"{'locks' if split else 'nullptr'}, os, {'partial' if split else 'nullptr'}, M, x_shape[x_ndim - 1]);")
 
 
-def parameters(dtype: mx.Dtype, split: bool) -> str:
+def parameters(dtype: mx.Dtype, split: bool, segments: int = 1) -> str:
     """The generated kernel's parameter list, as MLX 0.32 writes it for `body`."""
     t = DTYPES[dtype]
-    text = (f"    const {t}* x,\n    const __grid_constant__ Shape x_shape,\n    const __grid_constant__ int x_ndim,\n"
-            f"    const uint32_t* w,\n    const __grid_constant__ Shape w_shape,\n"
-            f"    const {t}* scales,\n    const {t}* biases,\n")
+    text = f"    const {t}* x,\n    const __grid_constant__ Shape x_shape,\n    const __grid_constant__ int x_ndim,\n"
+    for w, scales, biases in zip(*(segment_names(segments, n) for n in ("w", "scales", "biases"))):
+        text += (f"    const uint32_t* {w},\n    const __grid_constant__ Shape {w}_shape,\n"
+                 f"    const {t}* {scales},\n    const {t}* {biases},\n")
     if split:
-        return text + f"    const int32_t* locks,\n    {t}* out,\n    float* partial)"
-    return text + f"    {t}* out)"
+        text += "    const int32_t* locks,\n"
+    params = [f"    {t}* {name}" for name in segment_names(segments, "out")] + (["    float* partial"] if split else [])
+    return text + ",\n".join(params) + ")"
 
 
-def launch_bounds(config: Config, dtype: mx.Dtype, bits: int, group_size: int, split: bool = True) -> str:
+def launch_bounds(config: Config, dtype: mx.Dtype, bits: int, group_size: int, split: bool = True,
+                  segments: int = 1) -> str:
     """A declaration of MLX's generated kernel with launch bounds (MLX writes the
     definition without any): the register budget that lets several CTAs share an SM."""
     return ("namespace mlx::core::cu {\n"
             f"__global__ void __launch_bounds__({config.threads}, {config.per_sm}) "
-            f"custom_kernel_{kernel_name(config, dtype, bits, group_size, split)}(\n"
-            f"{parameters(dtype, split)};\n"
+            f"custom_kernel_{kernel_name(config, dtype, bits, group_size, split, segments)}(\n"
+            f"{parameters(dtype, split, segments)};\n"
             "}  // namespace mlx::core::cu\n")
 
 
@@ -199,8 +218,8 @@ def source_text() -> str:
     return f'#include "{path}"  // sha256 {hashlib.sha256(text.encode()).hexdigest()[:16]}\n'
 
 
-def header(config: Config, dtype: mx.Dtype, bits: int, group_size: int, split: bool = True) -> str:
-    return source_text() + launch_bounds(config, dtype, bits, group_size, split)
+def header(config: Config, dtype: mx.Dtype, bits: int, group_size: int, split: bool = True, segments: int = 1) -> str:
+    return source_text() + launch_bounds(config, dtype, bits, group_size, split, segments)
 
 
 STANDALONE_PRELUDE = """#include <cuda_bf16.h>
@@ -212,64 +231,71 @@ namespace mlx::core::cu { using Shape = cuda::std::array<int32_t, 10>; }
 
 
 def generated_source(config: Config, dtype: mx.Dtype, bits: int, group_size: int, split: bool = True,
-                     prelude: str = STANDALONE_PRELUDE) -> str:
+                     prelude: str = STANDALONE_PRELUDE, segments: int = 1) -> str:
     """The translation unit mx.fast.cuda_kernel compiles (its wrapper written out the way
     MLX 0.32 writes it), with `prelude` for MLX's device header: for `nvcc -arch=sm_90a`
     on a machine with no GPU."""
-    return (prelude + header(config, dtype, bits, group_size, split)
+    return (prelude + header(config, dtype, bits, group_size, split, segments)
             + "namespace mlx::core::cu {\n\nnamespace cg = cooperative_groups;\n\n"
-            + f"__global__ void custom_kernel_{kernel_name(config, dtype, bits, group_size, split)}(\n"
-            + parameters(dtype, split) + " {\n"
-            + body(config, dtype, bits, group_size, split) + "\n}\n\n} // namespace mlx::core::cu\n")
+            + f"__global__ void custom_kernel_{kernel_name(config, dtype, bits, group_size, split, segments)}(\n"
+            + parameters(dtype, split, segments) + " {\n"
+            + body(config, dtype, bits, group_size, split, segments) + "\n}\n\n} // namespace mlx::core::cu\n")
 
 
 @lru_cache(maxsize=None)
-def _kernel(config: Config, dtype: mx.Dtype, bits: int, group_size: int, split: bool):
+def _kernel(config: Config, dtype: mx.Dtype, bits: int, group_size: int, split: bool, segments: int = 1):
     return mx.fast.cuda_kernel(
-        name=kernel_name(config, dtype, bits, group_size, split), input_names=list(inputs(split)),
-        output_names=list(outputs(split)), source=body(config, dtype, bits, group_size, split),
-        header=header(config, dtype, bits, group_size, split), ensure_row_contiguous=True,
+        name=kernel_name(config, dtype, bits, group_size, split, segments),
+        input_names=list(inputs(split, segments)), output_names=list(outputs(split, segments)),
+        source=body(config, dtype, bits, group_size, split, segments),
+        header=header(config, dtype, bits, group_size, split, segments), ensure_row_contiguous=True,
         shared_memory=config.shared_bytes)
 
 
-def lock_count(n: int) -> int:
-    """Counters one layer of `n` outputs needs (one per CTA column, for any Config)."""
-    return math.ceil(n / 16)
+def lock_count(*ns: int) -> int:
+    """Counters one launch over linears of `ns` outputs needs (one per CTA column, for any Config)."""
+    return sum(math.ceil(n / 16) for n in ns)
 
 
 @dataclass(frozen=True)
 class Launch:
-    """Everything one call of a layer shape and token count needs, worked out once: the
-    per-call Python is what a decode step of a few hundred linears pays for each of them."""
+    """Everything one call of a layer shape (or a group of linears of one input) and token
+    count needs, worked out once: the per-call Python is what a decode step of a few
+    hundred linears pays for each of them."""
 
     kernel: object
     grid: tuple
     threadgroup: tuple
+    out_shapes: tuple  # each linear's output, after x's leading dimensions: (n0,), (n1,), ...
     out_dtypes: list
     partial: int  # floats of the split-K partial sums; 0: one slice, no counters, no partials
 
-    def __call__(self, x: mx.array, w: mx.array, scales: mx.array, biases: mx.array, locks, n: int) -> mx.array:
-        shape = (*x.shape[:-1], n)
+    def __call__(self, x: mx.array, weights: list, locks) -> list[mx.array]:
+        """`weights`: each linear's weight, scales and biases, one after another."""
+        lead = x.shape[:-1]
+        shapes = [lead + n for n in self.out_shapes]
         if self.partial:
-            return self.kernel(inputs=[x, w, scales, biases, locks], output_shapes=[shape, (self.partial,)],
-                               output_dtypes=self.out_dtypes, grid=self.grid, threadgroup=self.threadgroup)[0]
-        return self.kernel(inputs=[x, w, scales, biases], output_shapes=[shape], output_dtypes=self.out_dtypes,
-                           grid=self.grid, threadgroup=self.threadgroup)[0]
+            return self.kernel(inputs=[x, *weights, locks], output_shapes=shapes + [(self.partial,)],
+                               output_dtypes=self.out_dtypes, grid=self.grid, threadgroup=self.threadgroup)[:-1]
+        return self.kernel(inputs=[x, *weights], output_shapes=shapes, output_dtypes=self.out_dtypes,
+                           grid=self.grid, threadgroup=self.threadgroup)
 
 
 @lru_cache(maxsize=4096)
-def launch_for(n: int, k: int, tokens: int, dtype: mx.Dtype, bits: int, group_size: int,
+def launch_for(ns: tuple, k: int, tokens: int, dtype: mx.Dtype, bits: int, group_size: int,
                config: Config | None = None) -> Launch:
+    """The launch of linears with `ns` outputs (one, or a group of one input) for `tokens` tokens."""
     if why := kernel_available():  # checked once per shape: launches are cached
         raise OmlxError(f"qmm_decode {why}")
     config = config or default_config(tokens, bits)
     if 8 * config.tiles < tokens:
         raise OmlxError(f"qmm_decode: config for {8 * config.tiles} tokens given {tokens}")
-    splits = config.splits(n, k)
+    splits = config.splits(sum(ns), k)
     split = splits > 1
-    return Launch(_kernel(config, dtype, bits, group_size, split),
-                  (math.ceil(n / config.block_n) * config.threads, splits, 1), (config.threads, 1, 1),
-                  [dtype, mx.float32] if split else [dtype], splits * tokens * n if split else 0)
+    columns = sum(math.ceil(n / config.block_n) for n in ns)
+    return Launch(_kernel(config, dtype, bits, group_size, split, len(ns)),
+                  (columns * config.threads, splits, 1), (config.threads, 1, 1), tuple((n,) for n in ns),
+                  [dtype] * len(ns) + ([mx.float32] if split else []), splits * tokens * sum(ns) if split else 0)
 
 
 def quantized_matmul_decode(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array,
@@ -282,38 +308,54 @@ def quantized_matmul_decode(x: mx.array, w: mx.array, scales: mx.array, biases: 
     two calls at once (the kernel leaves them zero); without it a fresh zero buffer is
     made per call. `config` / `ctas` override the launch shape (the benchmark's sweep).
     """
+    return grouped_matmul_decode(x, [(w, scales, biases)], group_size, bits, locks=locks, config=config,
+                                 ctas=ctas)[0]
+
+
+def grouped_matmul_decode(x: mx.array, layers: list, group_size: int, bits: int, *,
+                          locks: mx.array | None = None, config: Config | None = None,
+                          ctas: int | None = None) -> list[mx.array]:
+    """`quantized_matmul_decode` of one input by several linears ((w, scales, biases)
+    triples of one format) in one launch: their outputs, in order. `locks`:
+    `lock_count(N0, N1, ...)` zeros."""
     if why := kernel_available():
         raise OmlxError(f"qmm_decode {why}")
     k = x.shape[-1]
-    n = w.shape[0]
     tokens = x.size // k if k else 0
-    if biases is None:
-        raise OmlxError("qmm_decode needs the affine layout's biases")
-    if why := supported(x.dtype, scales.dtype, bits, group_size):
-        raise OmlxError(f"qmm_decode cannot compute {why}")
     if not 1 <= tokens <= MAX_TOKENS:
         raise OmlxError(f"qmm_decode computes 1..{MAX_TOKENS} tokens, not {tokens}")
-    if w.shape[1] * 32 // bits != k or k % group_size or scales.shape != (n, k // group_size):
-        raise OmlxError(f"qmm_decode: weight {w.shape}, scales {scales.shape} do not fit {k} inputs "
-                        f"at {bits} bits, group size {group_size}")
+    for w, scales, biases in layers:
+        n = w.shape[0]
+        if biases is None:
+            raise OmlxError("qmm_decode needs the affine layout's biases")
+        if why := supported(x.dtype, scales.dtype, bits, group_size):
+            raise OmlxError(f"qmm_decode cannot compute {why}")
+        if w.shape[1] * 32 // bits != k or k % group_size or scales.shape != (n, k // group_size):
+            raise OmlxError(f"qmm_decode: weight {w.shape}, scales {scales.shape} do not fit {k} inputs "
+                            f"at {bits} bits, group size {group_size}")
+    ns = tuple(w.shape[0] for w, _, _ in layers)
     if ctas is not None:
         config = replace(config or default_config(tokens, bits), ctas=ctas)
     if locks is None:
-        locks = mx.zeros((lock_count(n),), dtype=mx.int32)
-    return launch_for(n, k, tokens, x.dtype, bits, group_size, config)(x, w, scales, biases, locks, n)
+        locks = mx.zeros((lock_count(*ns),), dtype=mx.int32)
+    return launch_for(ns, k, tokens, x.dtype, bits, group_size, config)(x, [a for layer in layers for a in layer], locks)
 
 
 class DecodeQuantizedLinear(nn.QuantizedLinear):
     """A QuantizedLinear whose inputs of 1..`max_tokens` tokens run the decode kernel.
 
-    A row slice made by the split lanes (`split.rows_of`, which keeps the class, for
-    prefill) has the class defaults: no checked dtype and no counters, so it computes
-    through QuantizedLinear's own path."""
+    Linears of one input (q/k/v, gate/up) may share a `DecodeGroup`: the first of them
+    called with an input computes all of them in one launch. A row slice made by the
+    split lanes (`split.rows_of`, which keeps the class, for prefill) has the class
+    defaults: no checked dtype, no group and no counters, so it computes through
+    QuantizedLinear's own path."""
 
     max_tokens = MAX_TOKENS
     min_tokens = MIN_TOKENS
     calls = 0
     _dtype = None  # the activation dtype the kernel computes for this layer (None: never)
+    _group = None  # the DecodeGroup this linear is computed with, if any
+    _group_index = 0  # its place in the group
 
     @classmethod
     def of(cls, layer: nn.QuantizedLinear, max_tokens: int = MAX_TOKENS,
@@ -349,12 +391,85 @@ class DecodeQuantizedLinear(nn.QuantizedLinear):
         if self._dtype is None or tokens > self.max_tokens or tokens < self.min_tokens or x.dtype != self._dtype:
             return super().__call__(x)
         object.__setattr__(self, "calls", self.calls + 1)  # Module.__setattr__ costs microseconds
-        w = self["weight"]
-        launch = self._launches.get(tokens)
-        if launch is None:
-            launch = self._launches[tokens] = launch_for(w.shape[0], k, tokens, x.dtype, self.bits, self.group_size)
-        out = launch(x, w, self["scales"], self["biases"], self["_locks"], w.shape[0])
+        if self._group is not None:
+            out = self._group.output(self._group_index, x, tokens)
+        else:
+            w = self["weight"]
+            launch = self._launches.get(tokens)
+            if launch is None:
+                launch = self._launches[tokens] = launch_for((w.shape[0],), k, tokens, x.dtype, self.bits,
+                                                             self.group_size)
+            out = launch(x, [w, self["scales"], self["biases"]], self["_locks"])[0]
         return out + self["bias"] if "bias" in self else out
+
+
+class DecodeGroup:
+    """Linears of one input and one format computed in one launch.
+
+    Why: a decode step pays the host for every launch (Python, then MLX's encoding: more
+    than a small layer's GPU time on the H200 machine), and the GPU for each launch's ramp
+    and tail; attention's q/k/v and the MLP's gate/up take the same input. The first
+    member called with an input `x` launches all of them and keeps the others' outputs for
+    that same `x` object (the same input, so the same results); each is handed out once,
+    and a call with any other input launches again. A model that calls the members with
+    different inputs gets correct results at the cost of extra launches."""
+
+    def __init__(self, members: list[DecodeQuantizedLinear]):
+        self.members = members
+        self.locks = mx.zeros((lock_count(*(m["weight"].shape[0] for m in members)),), dtype=mx.int32)
+        mx.eval(self.locks)
+        self.launches = {}  # by token count
+        self.x = None  # the input of the kept outputs
+        self.kept = []  # per member: its output for self.x, None once handed out
+        for index, member in enumerate(members):
+            object.__setattr__(member, "_group", self)
+            object.__setattr__(member, "_group_index", index)
+
+    def output(self, index: int, x: mx.array, tokens: int) -> mx.array:
+        """Member `index`'s output for `x`: kept from the launch for this same `x`, or launched."""
+        if self.x is x and self.kept[index] is not None:
+            out, self.kept[index] = self.kept[index], None
+            if not any(o is not None for o in self.kept):
+                self.x, self.kept = None, []
+            return out
+        launch = self.launches.get(tokens)
+        if launch is None:
+            first = self.members[0]
+            launch = self.launches[tokens] = launch_for(tuple(m["weight"].shape[0] for m in self.members),
+                                                        x.shape[-1], tokens, x.dtype, first.bits, first.group_size)
+        outs = launch(x, [m[key] for m in self.members for key in ("weight", "scales", "biases")], self.locks)
+        self.x, self.kept = x, list(outs)
+        self.kept[index] = None
+        return outs[index]
+
+
+# Sibling linears that models call with one input: grouped into one launch when all are installed.
+GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+
+def group_siblings(built: dict) -> list[DecodeGroup]:
+    """DecodeGroups of the installed linears (`built`: path -> module) that GROUPS names
+    under one parent (a prefill wrapper between them and the parent is looked through),
+    with one format and one input width."""
+    named = {}  # (parent path, linear name) -> module
+    for path, module in built.items():
+        parts = path.split(".")
+        for i in range(len(parts) - 1, -1, -1):
+            if any(parts[i] in names for names in GROUPS):
+                named[(".".join(parts[:i]), parts[i])] = module
+                break
+    groups = []
+    for parent, name in list(named):
+        for names in GROUPS:
+            if name != names[0]:
+                continue
+            members = [named.get((parent, n)) for n in names]
+            if any(m is None or m._dtype is None for m in members):
+                continue
+            key = [(m.bits, m.group_size, m._dtype, m["weight"].shape[1]) for m in members]
+            if key.count(key[0]) == len(key):
+                groups.append(DecodeGroup(members))
+    return groups
 
 
 def plain(module) -> nn.Module:
@@ -387,19 +502,22 @@ def applies(model) -> bool:
 
 
 def install(model, max_tokens: int = MAX_TOKENS, formats: tuple | None = None,
-            min_tokens: int = MIN_TOKENS) -> list[str]:
+            min_tokens: int = MIN_TOKENS, group: bool = True) -> list[str]:
     """Replace every eligible quantized linear (also inside prefill wrappers) by a
-    DecodeQuantizedLinear for `min_tokens`..`max_tokens` tokens; returns their paths. All
-    are built before any is replaced. `formats` defaults to those that passed the
-    exactness check on the device (`ALL_FORMATS` for the check itself)."""
+    DecodeQuantizedLinear for `min_tokens`..`max_tokens` tokens, siblings of one input
+    grouped into one launch (GROUPS); returns their paths. All are built before any is
+    replaced. `formats` defaults to those that passed the exactness check on the device
+    (`ALL_FORMATS` for the check itself); `group=False` launches each linear alone."""
     from omlx_core.prefill.split import replace_module
 
     formats = VALIDATED if formats is None else formats
-    built = [(path, DecodeQuantizedLinear.of(module, max_tokens, min_tokens))
-             for path, module in model.named_modules() if eligible(module, formats)]
-    for path, module in built:
+    built = {path: DecodeQuantizedLinear.of(module, max_tokens, min_tokens)
+             for path, module in model.named_modules() if eligible(module, formats)}
+    if group:
+        group_siblings(built)
+    for path, module in built.items():
         replace_module(model, path, module)
-    return [path for path, _ in built]
+    return list(built)
 
 
 def _spec():
