@@ -317,7 +317,7 @@ def test_kernel_compiles_for_sm90_within_its_register_budget(tmp_path, tokens, b
     spilled = int(re.search(r"(\d+) bytes spill stores", done.stderr).group(1))
     assert registers <= 65536 // (config.threads * config.per_sm)  # the launch bounds took effect
     assert spilled <= 64
-    assert int(re.search(r"(\d+) bytes stack frame", done.stderr).group(1)) == 0  # the segment pointers stay in registers
+    assert int(re.search(r"(\d+) bytes stack frame", done.stderr).group(1)) <= spilled  # no local arrays
 
 
 # -- the dense copy ----------------------------------------------------------------------------

@@ -101,17 +101,22 @@ def tiles_for(tokens: int) -> int:
     return 1 if tokens <= 8 else 2 if tokens <= 16 else 4 if tokens <= 32 else 8
 
 
-# The launch shape of each token bucket (tiles of 8 tokens): (R, WR, WK, U, KC, occupancy).
-DEFAULTS = {1: (1, 8, 1, 2, 1024, 2), 2: (1, 4, 2, 2, 1024, 2), 4: (2, 2, 2, 1, 1024, 3), 8: (1, 4, 1, 1, 512, 3)}
+# The launch shape of each token bucket (tiles of 8 tokens): (R, WR, WK, U, KC, occupancy), the
+# fastest of SWEEP in scripts/bench/decode.py by GPU time of the three Qwen3-8B layer shapes
+# chained in one CUDA graph, weighted as a decoder layer uses them (docs/benchmarks/decode-h200-layers.json).
+DEFAULTS = {1: (1, 2, 4, 2, 4096, 3), 2: (1, 4, 2, 2, 1024, 2), 4: (1, 4, 2, 1, 1024, 3), 8: (1, 8, 1, 1, 512, 2)}
 
 
 def default_config(tokens: int, bits: int) -> Config:
     """The launch shape for `tokens` tokens (1..64), from DEFAULTS: the fastest of the
     candidates scripts/bench/decode.py timed on the H200, chained as a decode step runs
-    them. 8-bit weights take twice the registers per block, so they load one block a round."""
+    them. 8-bit weights take twice the registers per block, so they load one block a round
+    and keep at most two CTAs an SM (three would spill at 17-32 tokens)."""
     tiles = tiles_for(tokens)
     rows, warps_n, warps_k, rounds, slice_k, occupancy = DEFAULTS[tiles]
-    return Config(tiles, rows, warps_n, warps_k, 1 if bits == 8 else rounds, slice_k, occupancy=occupancy)
+    if bits == 8:
+        rounds, occupancy = 1, min(occupancy, 2)
+    return Config(tiles, rows, warps_n, warps_k, rounds, slice_k, occupancy=occupancy)
 
 
 def supported(x_dtype: mx.Dtype, scales_dtype: mx.Dtype, bits: int, group_size: int, mode: str = "affine") -> str:
