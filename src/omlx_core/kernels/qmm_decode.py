@@ -13,7 +13,10 @@ computes every token of the call from it on the tensor cores (see the file's com
   input runs QuantizedLinear's own path.
   Being a QuantizedLinear, it composes with the prefill paths as any quantized linear
   does: `DequantizedPrefill` wraps it, split lanes slice it, `fast_paths.unwrap` returns it.
-- `install(model)` replaces the eligible quantized linears by module replacement.
+- `DecodeGroup`: linears of one input (q/k/v, gate/up) computed in one launch, each with
+  its own output (`grouped_matmul_decode` is the function form).
+- `install(model)` replaces the eligible quantized linears by module replacement and
+  groups the siblings of one input.
 
 The launch shape (`Config`) is chosen per token count and layer shape; the benchmark
 (scripts/bench/decode.py) measured the candidates on the H200.
@@ -36,11 +39,12 @@ GROUP_SIZES = (32, 64, 128)
 DTYPES = {mx.bfloat16: "__nv_bfloat16", mx.float16: "__half"}
 SHORT = {mx.bfloat16: "bf16", mx.float16: "f16"}
 MAX_TOKENS = 64
-# One token keeps MLX's qmv by default. The kernel's GPU time is lower there too (3.3 against
-# 4.9 ms of a Qwen3-8B-shape step, docs/benchmarks/decode-h200-profile.json), but a batch-1
-# step is bound by the host, and a custom kernel's call costs the host more than MLX's own:
-# 6.87 against 5.92 ms a step (decode-h200-model-include.json). From 2 tokens the GPU bounds
-# the step and the kernel wins (batch 8: 12.5 against 32.6 ms; batch 32: 12.4 against 106).
+# One token keeps MLX's qmv by default. A batch-1 step is bound by the host, and a custom
+# kernel's call costs the host more than MLX's own (MLX builds its source string on every
+# call); with grouped launches the kernel won at one token on one H200 machine (5.58 against
+# 6.26 ms a step) and lost on a slower host (8.8 against 8.3 ms;
+# docs/benchmarks/decode-h200-model-grouped.json). From 2 tokens the GPU bounds the step and
+# the kernel wins on every machine (batch 8: 7.9 against 32.2 ms; batch 32: 11.7 against 105).
 MIN_TOKENS = 2
 # Formats (bits, group size, activation dtype) whose exactness scripts/bench/decode.py
 # checked on the H200 (docs/benchmarks/decode-h200-qmm.json: every bf16 format, every
@@ -529,15 +533,15 @@ def _spec():
     from omlx_core.kernels.registry import HardwareMatch, KernelSpec, ModelMatch, Validation
 
     # On the H200, for llama-architecture models: every bf16 format within 1/128 of MLX's
-    # result (docs/benchmarks/decode-h200-exact.json), 64 greedy tokens of a tiny llama
-    # identical to stock (decode-h200-greedy.json), and batched decode of a Qwen3-8B-shape
-    # llama 2.6x stock at batch 8 and 8.6x at 32 (decode-h200-model-include.json). Not
-    # qwen3_5: its tiny model's greedy tokens part from stock at step 5, which looks like a
-    # near-tie (MLX's own dequantized-bf16 path parts from stock on every prompt too,
-    # decode-cpu-margins.json) but is not shown to be one on the GPU.
+    # result, grouped launches included (docs/benchmarks/decode-h200-exact.json), 64 greedy
+    # tokens of a tiny llama identical to stock (decode-h200-greedy.json), and batched decode
+    # of a Qwen3-8B-shape llama 4.1x stock at batch 8 and 8.2-9.4x at 32
+    # (decode-h200-model-grouped.json). Not qwen3_5: its tiny model's greedy tokens part from
+    # stock at step 5, which looks like a near-tie (MLX's own dequantized-bf16 path parts from
+    # stock on every prompt too, decode-cpu-margins.json) but is not shown to be one on the GPU.
     h200 = Validation(ModelMatch.architecture("llama"), HardwareMatch("cuda", "sm_90", "NVIDIA H200"),
                       "docs/benchmarks/decode-h200-exact.json, decode-h200-greedy.json, "
-                      "decode-h200-model-include.json")
+                      "decode-h200-model-grouped.json")
     return KernelSpec(
         name="qmm_decode",
         replaces=f"mx.quantized_matmul of affine 4/8-bit quantized linears (group 32/64/128) at "
