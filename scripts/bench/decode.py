@@ -143,15 +143,20 @@ def compare(ours: mx.array, ref: mx.array | None, truth: mx.array) -> dict:
     return row
 
 
-def exact_row(matmul, layer, bits, group, dtype, k, n, m, with_mlx: bool, **options) -> dict:
+def checked(ours: mx.array, x: mx.array, layer, bits: int, group: int, with_mlx: bool) -> dict:
+    """`ours` (x times one layer) as `compare` judges it against MLX's result (`with_mlx`)
+    and the fp32 one."""
     wq, scales, biases = layer
-    x = mx.random.normal((m, k), key=mx.random.key(m)).astype(dtype)
     w32 = mx.dequantize(wq, scales, biases, group_size=group, bits=bits, dtype=mx.float32)
     ref = (mx.quantized_matmul(x, wq, scales, biases, transpose=True, group_size=group, bits=bits)
            if with_mlx else None)
-    ours = matmul(x, wq, scales, biases, group, bits, **options)
-    return {"bits": bits, "group": group, "dtype": str(dtype).split(".")[-1], "k": k, "n": n, "m": m,
-            **compare(ours, ref, x.astype(mx.float32) @ w32.T)}
+    return {"bits": bits, "group": group, "dtype": str(x.dtype).split(".")[-1], "k": x.shape[-1],
+            "n": wq.shape[0], "m": x.shape[0], **compare(ours, ref, x.astype(mx.float32) @ w32.T)}
+
+
+def exact_row(matmul, layer, bits, group, dtype, k, n, m, with_mlx: bool, **options) -> dict:
+    x = mx.random.normal((m, k), key=mx.random.key(m)).astype(dtype)
+    return checked(matmul(x, *layer, group, bits, **options), x, layer, bits, group, with_mlx)
 
 
 def run_exact(matmul, cases=None, quick: bool = False) -> dict:
@@ -199,12 +204,8 @@ def grouped_rows(quick: bool) -> list[dict]:
         for m in (1, 9, 17, 33, 64):
             x = mx.random.normal((m, k), key=mx.random.key(m + 7)).astype(mx.bfloat16)
             outs = qmm_decode.grouped_matmul_decode(x, layers, group, bits)
-            for n, (wq, scales, biases), ours in zip(ns, layers, outs):
-                w32 = mx.dequantize(wq, scales, biases, group_size=group, bits=bits, dtype=mx.float32)
-                ref = (mx.quantized_matmul(x, wq, scales, biases, transpose=True, group_size=group, bits=bits)
-                       if not quick or m < 8 else None)
-                rows.append({"bits": bits, "group": group, "dtype": "bfloat16", "k": k, "n": n, "m": m,
-                             "segments": list(ns), **compare(ours, ref, x.astype(mx.float32) @ w32.T)})
+            for layer, ours in zip(layers, outs):
+                rows.append({**checked(ours, x, layer, bits, group, not quick or m < 8), "segments": list(ns)})
             log(f"exact grouped {bits}-bit g{group} {k}x{ns} M={m}: worst rel "
                 f"{max(r['rel_max'] for r in rows[-len(ns):]):.2e} ok={all(r['ok'] for r in rows[-len(ns):])}")
     return rows
@@ -736,7 +737,7 @@ def run_model(workdir: Path, tiny: bool, batches=(1, 8, 32), ctx: int = 1024, st
                 row[f"{name}_{part}_ms"] = seconds[part] * 1e3
 
         timed("stock")
-        paths = qmm_decode.install(model, formats=qmm_decode.ALL_FORMATS, min_tokens=1, group=False)
+        qmm_decode.install(model, formats=qmm_decode.ALL_FORMATS, min_tokens=1, group=False)
         timed("kernel_ungrouped")
         restore(model)
         paths = qmm_decode.install(model, formats=qmm_decode.ALL_FORMATS, min_tokens=1)
