@@ -28,7 +28,7 @@ barely helps; omlx's `qmm_decode` kernel (kernels/qmm_decode.cu) and the dense-c
            kernel: what the GPU spends against the wall clock
 
     python scripts/bench/decode.py [--parts exact,greedy,margins,layers,kernels,model,profile] [--tokens 1,2,4,8,16,32,64]
-        [--batches 1,8,32] [--matmul kernel|dense] [--quick] [--sweep] [--repeats 5] [--workdir DIR] [--save FILE] [--json]
+        [--batches 1,8,32] [--variants stock,kernel,...] [--matmul kernel|dense] [--quick] [--sweep] [--repeats 5] [--workdir DIR] [--save FILE] [--json]
 
 MLX compiles its CUDA quantized matmul for 8+ tokens at run time (CUTLASS, per shape and
 format: minutes for the whole matrix); `--quick` uses MLX's result only below 8 tokens
@@ -495,11 +495,13 @@ def layers_child(tokens, repeats: int, quick: bool, sweep: bool, out: Path, call
 SWEEP = {  # (R, WR, WK, U, KC, occupancy) per token bucket; the default (DEFAULTS) is first
     1: [(1, 2, 4, 2, 4096, 3), (1, 8, 1, 2, 1024, 2), (1, 8, 1, 1, 1024, 4), (1, 4, 2, 2, 2048, 2),
         (2, 4, 1, 1, 1024, 2), (1, 8, 1, 2, 2048, 2), (2, 8, 1, 2, 1024, 2), (1, 8, 1, 4, 1024, 2)],
-    2: [(1, 4, 2, 2, 1024, 2), (2, 2, 2, 1, 1024, 3), (1, 8, 1, 1, 1024, 2), (2, 4, 1, 1, 1024, 2)],
+    2: [(1, 4, 2, 2, 1024, 2), (2, 2, 2, 1, 1024, 3), (1, 8, 1, 1, 1024, 2), (2, 4, 1, 1, 1024, 2),
+        (1, 8, 1, 1, 2048, 2), (2, 4, 1, 1, 2048, 2)],
     4: [(1, 4, 2, 1, 1024, 3), (2, 2, 2, 1, 1024, 3), (2, 4, 1, 1, 512, 3), (1, 8, 1, 1, 512, 2),
-        (2, 8, 1, 1, 512, 1), (2, 4, 1, 1, 512, 2), (2, 4, 2, 1, 1024, 2)],
+        (2, 8, 1, 1, 512, 1), (2, 4, 1, 1, 512, 2), (2, 4, 2, 1, 1024, 2), (1, 8, 1, 1, 1024, 2),
+        (2, 4, 1, 1, 1024, 2), (1, 8, 2, 1, 1024, 1), (1, 4, 2, 1, 2048, 1)],
     8: [(1, 8, 1, 1, 512, 2), (1, 4, 1, 1, 512, 3), (2, 4, 1, 1, 512, 2), (1, 4, 2, 1, 512, 2),
-        (2, 2, 2, 1, 512, 2), (2, 8, 1, 1, 512, 1)],
+        (2, 2, 2, 1, 512, 2), (2, 8, 1, 1, 512, 1), (1, 8, 1, 1, 1024, 1), (1, 8, 2, 1, 512, 1)],
 }
 CTAS = (qmm_decode.SMS, qmm_decode.SMS * 2, qmm_decode.SMS * 4)
 
@@ -714,13 +716,25 @@ def decode_step_seconds(model, cache, batch: int, steps: int, repeats: int) -> d
 VARIANTS = ("stock", "kernel_ungrouped", "kernel", "dense_copy")  # the model part's: kernel = grouped launches
 
 
+def install_variant(model, name: str) -> dict:
+    """Put variant `name` of VARIANTS in place (restore() takes it out): what it reports."""
+    from omlx_core.decode.dense_copy import install_dense_copy
+
+    if name == "kernel_ungrouped":
+        qmm_decode.install(model, formats=qmm_decode.ALL_FORMATS, min_tokens=1, group=False)
+    elif name == "kernel":
+        return {"layers": len(qmm_decode.install(model, formats=qmm_decode.ALL_FORMATS, min_tokens=1))}
+    elif name == "dense_copy":
+        return {"extra_bytes": install_dense_copy(model, {"compute.dense_copy": "on"}, backend="cuda").extra_bytes}
+    return {}
+
+
 def run_model(workdir: Path, tiny: bool, batches=(1, 8, 32), ctx: int = 1024, steps: int = 8,
-              repeats: int = 3) -> dict:
+              repeats: int = 3, variants=VARIANTS) -> dict:
     """Each variant's step at each batch, as `decode_step_seconds` measures it (the row keys
     are named in the result's `method`)."""
     from mlx_lm.utils import load
 
-    from omlx_core.decode.dense_copy import install_dense_copy
     from prefill_paths import checkpoint  # a sibling bench script: the generated model shapes
 
     path = checkpoint("dense", workdir, tiny)
@@ -736,26 +750,18 @@ def run_model(workdir: Path, tiny: bool, batches=(1, 8, 32), ctx: int = 1024, st
             for part in ("build", "encode", "pipelined"):
                 row[f"{name}_{part}_ms"] = seconds[part] * 1e3
 
-        timed("stock")
-        qmm_decode.install(model, formats=qmm_decode.ALL_FORMATS, min_tokens=1, group=False)
-        timed("kernel_ungrouped")
-        restore(model)
-        paths = qmm_decode.install(model, formats=qmm_decode.ALL_FORMATS, min_tokens=1)
-        timed("kernel")
-        row["kernel_layers"] = len(paths)
-        restore(model)
-        copy = install_dense_copy(model, {"compute.dense_copy": "on"}, backend="cuda")
-        timed("dense_copy")
-        row["dense_copy_extra_bytes"] = copy.extra_bytes
-        del copy
-        restore(model)
-        for name in VARIANTS:
+        for name in variants:
+            extra = install_variant(model, name)
+            timed(name)
+            row.update({f"{name}_{key}": value for key, value in extra.items()})
+            restore(model)
+        for name in variants:
             row[f"{name}_tps"] = batch / row[f"{name}_pipelined_ms"] * 1e3
         rows.append(row)
         log(f"model batch {batch}: " + ", ".join(
             f"{name} {row[name + '_pipelined_ms']:.2f} ms pipelined ({row[name + '_ms']:.2f} sync: Python "
             f"{row[name + '_build_ms']:.2f}, encode {row[name + '_encode_ms']:.2f})"
-            for name in VARIANTS) + " per step")
+            for name in variants) + " per step")
         del cache
         mx.clear_cache()
     return {"model": str(path), "ctx": ctx, "steps": steps, "repeats": repeats,
@@ -923,7 +929,8 @@ def summary(result: dict) -> None:
                 print(f"  {row['k']:>5}x{row['n']:<5} M={row['m']:<2} ours best  {row['us']:8.2f} us "
                       f"{row['gbps']:7.0f} GB/s {row['config']}")
     for row in result.get("model", {}).get("rows", []):
-        print(f"model batch {row['batch']}: " + ", ".join(f"{name} {row[name + '_tps']:.0f}" for name in VARIANTS)
+        print(f"model batch {row['batch']}: " + ", ".join(f"{name} {row[name + '_tps']:.0f}" for name in VARIANTS
+                                                           if name + "_tps" in row)
               + " tok/s")
 
 
@@ -939,6 +946,7 @@ def main() -> None:
                         help="no run-time compiles of MLX's larger quantized kernels, no launch-shape sweep")
     parser.add_argument("--sweep", action="store_true", help="layers: also time every launch shape of SWEEP")
     parser.add_argument("--batches", default="1,8,32", help="batch sizes of the model part")
+    parser.add_argument("--variants", default=",".join(VARIANTS), help="what the model part times")
     parser.add_argument("--save", default=None)
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--kernels-child", default=None, help=argparse.SUPPRESS)
@@ -985,7 +993,8 @@ def main() -> None:
             elif part == "kernels":
                 result["kernels"] = run_kernels(tokens, args.quick)
             elif part == "model":
-                result["model"] = run_model(workdir, args.tiny, batches)
+                result["model"] = run_model(workdir, args.tiny, batches, repeats=args.repeats,
+                                            variants=tuple(args.variants.split(",")))
             elif part == "profile":
                 result["profile"] = run_profile(workdir, args.tiny, batches)
         except Exception as error:  # noqa: BLE001 - one failed part must not lose the others
