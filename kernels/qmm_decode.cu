@@ -179,39 +179,37 @@ __device__ __forceinline__ void qmm_decode(
   // Stage x[:, slice] as [block][chunk j][token tile][token][thread t] of 16-byte units,
   // the 8 inputs of each unit in the order (0, 4, 1, 5, 2, 6, 3, 7). Only the M real token
   // rows are staged: an mma output column depends on its own B column alone, so whatever
-  // the unstaged rows hold reaches only outputs that are never written. Every unit is
-  // copied at once (cp.async: no registers held, one L2 round trip however many units a
-  // thread has, where 32 tokens give it 8 to 16), then each thread reorders its own units
-  // in place.
+  // the unstaged rows hold reaches only outputs that are never written. Consecutive threads
+  // take consecutive units of that layout (t, then token, then chunk, then block), so each
+  // store of 8 threads fills 128 contiguous bytes: no bank conflicts, where the order of
+  // x itself (its rows 2 KB apart) put four threads on each bank. Loads go out in batches
+  // of SU, so their latencies overlap instead of adding up.
   {
-    const int chunks = per_cta * 16;  // 8-input units per token row
+    constexpr int SU = 32 * WR * WK >= 256 ? 2 : 8;  // within the register budget of the launch bounds
     const int k0 = first * 128;
-    const int units = M * chunks;
-    auto slot = [&](int idx) -> uint4* {
-      const int m = idx / chunks, c = idx - m * chunks;
-      const int bl = c >> 4, tt = (c >> 2) & 3, j = c & 3;
-      return smem + (((bl * 4 + j) * NT + (m >> 3)) * 8 + (m & 7)) * 4 + tt;
-    };
-    for (int idx = threadIdx.x; idx < units; idx += blockDim.x) {
-      const int m = idx / chunks, k = k0 + (idx - m * chunks) * 8;
-      uint4* dst = slot(idx);
-      if (k < K) {
-        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;"
-                     :: "r"((uint32_t)__cvta_generic_to_shared(dst)), "l"(x + (size_t)m * K + k));
-      } else {
-        *dst = make_uint4(0, 0, 0, 0);
+    const int units = M * per_cta * 16;
+    for (int base = threadIdx.x; base < units; base += SU * blockDim.x) {
+      uint4 v[SU];
+#pragma unroll
+      for (int u = 0; u < SU; ++u) {
+        const int idx = base + u * blockDim.x;
+        const int rest = idx >> 2, m = rest % M, chunk = rest / M;  // chunk: 4 * block + j
+        const int k = k0 + (chunk >> 2) * 128 + (idx & 3) * 32 + (chunk & 3) * 8;
+        v[u] = make_uint4(0, 0, 0, 0);
+        if (idx < units && k < K) v[u] = *reinterpret_cast<const uint4*>(x + (size_t)m * K + k);
       }
-    }
-    asm volatile("cp.async.wait_all;" ::: "memory");
-    for (int idx = threadIdx.x; idx < units; idx += blockDim.x) {
-      uint4* at = slot(idx);
-      const uint4 v = *at;
-      uint4 p;
-      p.x = __byte_perm(v.x, v.z, 0x5410);
-      p.y = __byte_perm(v.x, v.z, 0x7632);
-      p.z = __byte_perm(v.y, v.w, 0x5410);
-      p.w = __byte_perm(v.y, v.w, 0x7632);
-      *at = p;
+#pragma unroll
+      for (int u = 0; u < SU; ++u) {
+        const int idx = base + u * blockDim.x;
+        if (idx >= units) break;
+        const int rest = idx >> 2, m = rest % M, chunk = rest / M;
+        uint4 p;
+        p.x = __byte_perm(v[u].x, v[u].z, 0x5410);
+        p.y = __byte_perm(v[u].x, v[u].z, 0x7632);
+        p.z = __byte_perm(v[u].y, v[u].w, 0x5410);
+        p.w = __byte_perm(v[u].y, v[u].w, 0x7632);
+        smem[((chunk * NT + (m >> 3)) * 8 + (m & 7)) * 4 + (idx & 3)] = p;
+      }
     }
   }
   __syncthreads();
