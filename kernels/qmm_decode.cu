@@ -180,10 +180,13 @@ __device__ __forceinline__ void qmm_decode(
   // the 8 inputs of each unit in the order (0, 4, 1, 5, 2, 6, 3, 7). Only the M real token
   // rows are staged: an mma output column depends on its own B column alone, so whatever
   // the unstaged rows hold reaches only outputs that are never written. Consecutive threads
-  // take consecutive units of that layout (t, then token, then chunk, then block), so each
-  // store of 8 threads fills 128 contiguous bytes: no bank conflicts, where the order of
-  // x itself (its rows 2 KB apart) put four threads on each bank. Loads go out in batches
-  // of SU, so their latencies overlap instead of adding up.
+  // take consecutive units of that layout (t, then token, then chunk, then block), so when
+  // the tokens fill their tiles of 8 each store of 8 threads fills 128 contiguous bytes: no
+  // bank conflicts, where the order of x itself (its rows 2 KB apart) put four threads on
+  // each bank (on the H200 this measured neutral: docs/benchmarks/decode-h200-staging.json).
+  // Loads go out in batches of SU, so their latencies overlap instead of adding up. Copying
+  // with cp.async instead (every unit in flight at once, reordered in place) was slower at
+  // every layer of 16-64 tokens there.
   {
     constexpr int SU = 32 * WR * WK >= 256 ? 2 : 8;  // within the register budget of the launch bounds
     const int k0 = first * 128;

@@ -107,7 +107,9 @@ def tiles_for(tokens: int) -> int:
 
 # The launch shape of each token bucket (tiles of 8 tokens): (R, WR, WK, U, KC, occupancy), the
 # fastest of SWEEP in scripts/bench/decode.py by GPU time of the three Qwen3-8B layer shapes
-# chained in one CUDA graph, weighted as a decoder layer uses them (docs/benchmarks/decode-h200-layers-sweep.json).
+# chained in one CUDA graph, weighted as a decoder layer uses them (docs/benchmarks/decode-h200-layers-sweep.json;
+# the sweep of the current kernel, with 10 more candidates for 9-64 tokens, kept every one of them:
+# decode-h200-staging.json, last run).
 DEFAULTS = {1: (1, 2, 4, 2, 4096, 3), 2: (1, 4, 2, 2, 1024, 2), 4: (1, 4, 2, 1, 1024, 3), 8: (1, 8, 1, 1, 512, 2)}
 
 
