@@ -427,6 +427,30 @@ def test_benchmark_refuses_the_kernel_where_it_is_unavailable(tmp_path):
     assert "qmm_decode kernel is not available" in done.stderr and "--matmul dense" in done.stderr
 
 
+def test_bench_batch_cache_decodes_what_the_plain_cache_does(tiny_path):
+    # The model part's serve-like cache (BatchKVCache: offsets per sequence, an array mask)
+    # must compute the same steps as mlx-lm's KVCache, or its timings compare different work.
+    from mlx_lm.models.cache import BatchKVCache, KVCache
+    from mlx_lm.utils import load
+
+    decode = bench()
+    model, _ = load(str(tiny_path))
+    steps = {}
+    for kind in decode.CACHES:
+        mx.random.seed(3)
+        cache = decode.prefilled(model, 2, 40, kind)
+        assert all(isinstance(c, BatchKVCache if kind == "batch" else KVCache) for c in cache)
+        token, tokens = mx.array([[5], [9]], dtype=mx.int32), []
+        for _ in range(6):
+            token = decode.greedy_step(model, cache, token)
+            tokens.append(token.tolist())
+        for layer_cache in cache:
+            layer_cache.trim(6)  # as decode_step_seconds puts the context back between repeats
+        steps[kind] = (tokens, decode.greedy_step(model, cache, mx.array([[5], [9]], dtype=mx.int32)).tolist())
+    assert steps["batch"] == steps["plain"]
+    assert steps["plain"][1] == steps["plain"][0][0]  # trimmed back, the first step repeats
+
+
 def test_bench_prepares_the_dense_copy_as_serve_does(tiny_path, home):
     from omlx_core.bench.offline import install_key, prepare_model
     from omlx_core.models.resolve import ModelRef

@@ -23,12 +23,14 @@ barely helps; omlx's `qmm_decode` kernel (kernels/qmm_decode.cu) and the dense-c
            kernel's launch shapes; skipped with the reason where ncu is absent
   model    a generated Qwen3-8B-shape 4-bit g64 model: one decode step at batch 1, 8, 32
            after a 1k-token context: stock, kernel, dense copy; each waited for (with its
-           Python and MLX's encoding apart) and pipelined, as mlx-lm's generators run it
+           Python and MLX's encoding apart) and pipelined, as mlx-lm's generators run it;
+           --variants picks what it times, --cache batch decodes on BatchKVCache as
+           `omlx serve` does (an array mask, so MLX's vector attention instead of cuDNN's)
   profile  the same step's GPU time by kernel family under Nsight Compute, stock and
            kernel: what the GPU spends against the wall clock
 
     python scripts/bench/decode.py [--parts exact,greedy,margins,layers,kernels,model,profile] [--tokens 1,2,4,8,16,32,64]
-        [--batches 1,8,32] [--variants stock,kernel,...] [--matmul kernel|dense] [--quick] [--sweep] [--repeats 5] [--workdir DIR] [--save FILE] [--json]
+        [--batches 1,8,32] [--variants stock,kernel,...] [--cache plain|batch] [--matmul kernel|dense] [--quick] [--sweep] [--repeats 5] [--workdir DIR] [--save FILE] [--json]
 
 MLX compiles its CUDA quantized matmul for 8+ tokens at run time (CUTLASS, per shape and
 format: minutes for the whole matrix); `--quick` uses MLX's result only below 8 tokens
@@ -730,9 +732,9 @@ def install_variant(model, name: str) -> dict:
 
 
 def run_model(workdir: Path, tiny: bool, batches=(1, 8, 32), ctx: int = 1024, steps: int = 8,
-              repeats: int = 3, variants=VARIANTS) -> dict:
+              repeats: int = 3, variants=VARIANTS, cache: str = "plain") -> dict:
     """Each variant's step at each batch, as `decode_step_seconds` measures it (the row keys
-    are named in the result's `method`)."""
+    are named in the result's `method`), on a `cache` of CACHES."""
     from mlx_lm.utils import load
 
     from prefill_paths import checkpoint  # a sibling bench script: the generated model shapes
@@ -740,8 +742,9 @@ def run_model(workdir: Path, tiny: bool, batches=(1, 8, 32), ctx: int = 1024, st
     path = checkpoint("dense", workdir, tiny)
     model, _ = load(str(path))
     rows = []
+    kind = cache
     for batch in batches:
-        cache = prefilled(model, batch, ctx)
+        cache = prefilled(model, batch, ctx, kind)
         row = {"batch": batch, "ctx": ctx}
 
         def timed(name):
@@ -764,7 +767,7 @@ def run_model(workdir: Path, tiny: bool, batches=(1, 8, 32), ctx: int = 1024, st
             for name in variants) + " per step")
         del cache
         mx.clear_cache()
-    return {"model": str(path), "ctx": ctx, "steps": steps, "repeats": repeats,
+    return {"model": str(path), "ctx": ctx, "steps": steps, "repeats": repeats, "cache": kind,
             "method": "greedy steps after a ctx-token prefill, median of repeats; *_ms: each step waited "
                       "for; *_build_ms (the step's Python) and *_encode_ms (mx.async_eval's return) are "
                       "parts of it; *_pipelined_ms: the next step built while the GPU runs this one "
@@ -772,11 +775,17 @@ def run_model(workdir: Path, tiny: bool, batches=(1, 8, 32), ctx: int = 1024, st
             "env": {key: value for key, value in os.environ.items() if key.startswith("MLX_")}, "rows": rows}
 
 
-def prefilled(model, batch: int, ctx: int):
-    """A prompt cache holding `ctx` random tokens for each of `batch` sequences."""
-    from mlx_lm.models.cache import make_prompt_cache
+# The model part's caches: mlx-lm's KVCache (one offset for the batch, no mask at decode: MLX
+# runs cuDNN's decode attention), or BatchKVCache as `omlx serve`'s BatchGenerator decodes
+# (an offset per sequence, left padding, an array mask: MLX's own vector attention).
+CACHES = ("plain", "batch")
 
-    cache = make_prompt_cache(model)
+
+def prefilled(model, batch: int, ctx: int, kind: str = "plain"):
+    """A prompt cache of `kind` (CACHES) holding `ctx` random tokens for each of `batch` sequences."""
+    from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
+
+    cache = make_prompt_cache(model) if kind == "plain" else [BatchKVCache([0] * batch) for _ in model.layers]
     prompt = mx.random.randint(0, 500, (batch, ctx)).astype(mx.int32)
     for start in range(0, ctx, 256):
         model(prompt[:, start:start + 256], cache=cache)
@@ -947,6 +956,8 @@ def main() -> None:
     parser.add_argument("--sweep", action="store_true", help="layers: also time every launch shape of SWEEP")
     parser.add_argument("--batches", default="1,8,32", help="batch sizes of the model part")
     parser.add_argument("--variants", default=",".join(VARIANTS), help="what the model part times")
+    parser.add_argument("--cache", default="plain", choices=CACHES,
+                        help="the model part's cache: plain (mlx-lm's KVCache) or batch (BatchKVCache, as omlx serve)")
     parser.add_argument("--save", default=None)
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--kernels-child", default=None, help=argparse.SUPPRESS)
@@ -994,7 +1005,7 @@ def main() -> None:
                 result["kernels"] = run_kernels(tokens, args.quick)
             elif part == "model":
                 result["model"] = run_model(workdir, args.tiny, batches, repeats=args.repeats,
-                                            variants=tuple(args.variants.split(",")))
+                                            variants=tuple(args.variants.split(",")), cache=args.cache)
             elif part == "profile":
                 result["profile"] = run_profile(workdir, args.tiny, batches)
         except Exception as error:  # noqa: BLE001 - one failed part must not lose the others
