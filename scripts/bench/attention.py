@@ -1,0 +1,166 @@
+#!/usr/bin/env python
+"""Decode attention: omlx's `sdpa_decode` kernel against MLX's, one query token per sequence.
+
+Why: cuDNN's decode attention is 4.0 of a Qwen3-8B-shape batch-32 step's 11.2 ms of GPU time
+on the H200 (docs/benchmarks/decode-h200-profile-grouped.json). This measures, in one run:
+
+  exact  the kernel against mx.fast.scaled_dot_product_attention and an fp32 reference:
+         bf16 and fp16, head size 64 and 128, 1 to 8 query heads per key/value head, one
+         cache slice and several (lengths 1 to 5000), K/V as views of a larger cache
+         buffer as mlx-lm's KVCache hands them over; the check is decode.py's `compare`
+         (within 1/128 of the largest output)
+  time   GPU time per call, chained in one CUDA graph, K/V of distinct layers (several
+         times the L2 cache): MLX without a mask (cuDNN's decode path, as mlx-lm's KVCache
+         decodes), MLX with an additive mask (its vector kernel, as `omlx serve`'s
+         BatchKVCache decodes), and ours; Qwen3-8B shapes (32 query heads, 8 key/value
+         heads, head size 128) at batch 1, 8, 32 and context 1k and 4k; effective GB/s
+         of K/V read
+
+    python scripts/bench/attention.py [--parts exact,time] [--reference] [--repeats 5] [--save FILE] [--json]
+
+`--reference` checks the harness where CUDA is absent: MLX's own attention stands in for the
+kernel (exact only).
+"""
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+import mlx.core as mx
+
+# Sibling bench script (decode.py puts this directory on the path for its own siblings).
+from decode import L2_BYTES, ONE_GRAPH, bandwidth, chain_seconds, compare, hardware, log
+from omlx_core.kernels import sdpa_decode
+
+# MLX reads its graph limits when it first uses the GPU, not at import: each chain is one graph.
+os.environ.update(ONE_GRAPH)
+
+PARTS = ("exact", "time")
+# (batch, query heads, key/value heads, head size, cached tokens, buffer length, dtype)
+EXACT_CASES = ((1, 32, 8, 128, 1024, 1280, mx.bfloat16), (32, 32, 8, 128, 1024, 1280, mx.bfloat16),
+               (3, 28, 4, 128, 77, 256, mx.bfloat16), (2, 16, 16, 64, 2049, 2304, mx.bfloat16),
+               (4, 64, 8, 128, 300, 512, mx.float16), (1, 8, 1, 64, 5000, 5120, mx.bfloat16),
+               (2, 4, 4, 128, 1, 256, mx.bfloat16))
+TIME_SHAPES = ((1, 1024), (8, 1024), (32, 1024), (1, 4096), (8, 4096))  # (batch, context): Qwen3-8B heads
+HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
+
+
+def cache_views(batch: int, kv_heads: int, dim: int, tokens: int, length: int, dtype, seed: int):
+    """K and V as mlx-lm's KVCache hands them over: [..., :tokens, :] views of its buffer."""
+    key = mx.random.key(seed)
+    k_all, v_all = (mx.random.normal((batch, kv_heads, length, dim), key=part).astype(dtype)
+                    for part in mx.random.split(key))
+    mx.eval(k_all, v_all)
+    return k_all[..., :tokens, :], v_all[..., :tokens, :]
+
+
+def fp32_attention(q: mx.array, k: mx.array, v: mx.array, scale: float) -> mx.array:
+    group = q.shape[1] // k.shape[1]
+    k32, v32 = (mx.repeat(a.astype(mx.float32), group, axis=1) for a in (k, v))
+    scores = (q.astype(mx.float32) @ k32.swapaxes(-1, -2)) * scale
+    return mx.softmax(scores, axis=-1) @ v32
+
+
+def mlx_attention(q, k, v, scale, **_):
+    return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale)
+
+
+def run_exact(attention, cases=EXACT_CASES) -> dict:
+    rows = []
+    for batch, heads, kv_heads, dim, tokens, length, dtype in cases:
+        k, v = cache_views(batch, kv_heads, dim, tokens, length, dtype, seed=tokens + dim)
+        q = mx.random.normal((batch, heads, 1, dim), key=mx.random.key(heads)).astype(dtype)
+        scale = dim**-0.5
+        ours = attention(q, k, v, scale)
+        row = {"batch": batch, "heads": heads, "kv_heads": kv_heads, "dim": dim, "tokens": tokens,
+               "dtype": str(dtype).split(".")[-1], "splits": sdpa_decode.splits_for(batch * kv_heads, tokens),
+               **compare(ours, mlx_attention(q, k, v, scale), fp32_attention(q, k, v, scale))}
+        rows.append(row)
+        log(f"exact B={batch} H={heads}/{kv_heads} D={dim} T={tokens} {row['dtype']}: rel {row['rel_max']:.2e} "
+            f"ok={row['ok']}")
+    worst = max(rows, key=lambda r: r["rel_max"])
+    return {"cases": len(rows), "failed": sum(not r["ok"] for r in rows), "worst": worst, "rows": rows}
+
+
+def run_time(repeats: int, calls: int = 32) -> dict:
+    rows = []
+    for batch, context in TIME_SHAPES:
+        length = math.ceil((context + 1) / 256) * 256  # a KVCache buffer: steps of 256
+        nbytes = 2 * batch * KV_HEADS * context * HEAD_DIM * 2
+        count = max(3, math.ceil(4 * L2_BYTES / nbytes))
+        caches = [cache_views(batch, KV_HEADS, HEAD_DIM, context, length, mx.bfloat16, seed=i) for i in range(count)]
+        locks = [mx.zeros((batch * KV_HEADS,), dtype=mx.int32) for _ in range(count)]
+        mask = mx.zeros((batch, 1, 1, context), dtype=mx.bfloat16)  # additive, all visible
+        q0 = mx.random.normal((batch, HEADS, 1, HEAD_DIM)).astype(mx.bfloat16)
+        mx.eval(locks, mask, q0)
+        scale = HEAD_DIM**-0.5
+
+        def cudnn(i, q):
+            k, v = caches[i % count]
+            return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale)
+
+        def vector(i, q):
+            k, v = caches[i % count]
+            return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
+
+        def ours(i, q):
+            k, v = caches[i % count]
+            return sdpa_decode.decode_attention(q, k, v, scale, locks=locks[i % count])
+
+        row = {"batch": batch, "context": context, "kv_bytes": nbytes,
+               "splits": sdpa_decode.splits_for(batch * KV_HEADS, context)}
+        for name, step in (("mlx_cudnn", cudnn), ("mlx_masked", vector), ("ours", ours)):
+            wall, gpu = chain_seconds(step, q0, calls, repeats)
+            row[f"{name}_us"], row[f"{name}_gbps"] = gpu * 1e6, bandwidth(nbytes, gpu)
+        rows.append(row)
+        log(f"time B={batch} ctx={context}: " + ", ".join(
+            f"{name} {row[name + '_us']:.1f} us ({row[name + '_gbps']:.0f} GB/s)"
+            for name in ("mlx_cudnn", "mlx_masked", "ours")))
+        del caches
+        mx.clear_cache()
+    return {"method": f"{calls} dependent calls as one CUDA graph, median of {repeats}; us: GPU time per call; "
+                      "GB/s: K and V bytes per call over it", "rows": rows}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--parts", default=",".join(PARTS))
+    parser.add_argument("--reference", action="store_true", help="MLX's attention stands in for the kernel")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--save", default=None)
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    parts = args.parts.split(",")
+    if unknown := [p for p in parts if p not in PARTS]:
+        raise SystemExit(f"attention.py: unknown part {unknown[0]!r}; use {', '.join(PARTS)}")
+    from omlx_core.hardware import mlx_backend
+
+    if not args.reference and mlx_backend() != "cuda":
+        raise SystemExit("attention.py: the sdpa_decode kernel needs MLX's CUDA backend; run it on the GPU "
+                         "machine, or pass --reference to check the harness with MLX's attention")
+    if args.reference and "time" in parts:
+        raise SystemExit("attention.py: --reference checks the exact part only (it times nothing of ours)")
+    result = {"command": " ".join(sys.argv), "hardware": hardware(), "reference": args.reference}
+    for part in parts:
+        start = time.perf_counter()
+        if part == "exact":
+            result["exact"] = run_exact(mlx_attention if args.reference else sdpa_decode.decode_attention)
+        else:
+            result["time"] = run_time(args.repeats)
+        result.setdefault("seconds", {})[part] = round(time.perf_counter() - start, 1)
+        if args.save:
+            Path(args.save).write_text(json.dumps(result, indent=1))
+    if args.json:
+        json.dump(result, sys.stdout, indent=1)
+        print()
+    elif "exact" in result:
+        print(f"exact: {result['exact']['cases'] - result['exact']['failed']}/{result['exact']['cases']} "
+              f"within 1/128; worst rel {result['exact']['worst']['rel_max']:.2e}")
+
+
+if __name__ == "__main__":
+    main()
