@@ -50,13 +50,14 @@ __device__ __forceinline__ void load8(const T* p, int64_t stride, float (&f)[8])
 // per key/value head (1..8), CHUNK the most keys of one CTA's slice. Launch: 128 threads;
 // gridDim.x = batch * key/value heads, gridDim.y = the slices (each at most CHUNK keys).
 // q [B, Hq, 1, D], k and v [B, Hkv, T, D] with any strides; out [B, Hq, 1, D] contiguous;
+// sequence b's keys begin at starts[b] (a batch cache's left padding: 0 for none);
 // with more than one slice `locks` holds B * Hkv zeros (left zero) and `partial` has
 // gridDim.y * B * Hq * (D + 2) floats.
 template <typename T, int D, int G, int CHUNK>
 __device__ __forceinline__ void decode(
     const T* __restrict__ q, const int64_t* q_strides, const T* __restrict__ k, const int64_t* k_strides,
-    const T* __restrict__ v, const int64_t* v_strides, float scale, const int32_t* locks,
-    T* __restrict__ out, float* __restrict__ partial, int Hkv, int keys) {
+    const T* __restrict__ v, const int64_t* v_strides, float scale, const int32_t* starts,
+    const int32_t* locks, T* __restrict__ out, float* __restrict__ partial, int Hkv, int keys) {
   static_assert(D == 64 || D == 128, "head size 64 or 128");
   static_assert(G >= 1 && G <= 8, "1 to 8 query heads per key/value head");
   constexpr int THREADS = 128;
@@ -75,6 +76,7 @@ __device__ __forceinline__ void decode(
   const int per_cta = (keys + splits - 1) / splits;
   const int t0 = split * per_cta, t1 = min(keys, t0 + per_cta);
   const int n = max(0, t1 - t0);
+  const int first = starts[b] - t0;  // the sequence's keys begin here (left padding before)
   const int Hq = Hkv * G;
 
   // The G queries' dims [8 * lane, 8 * lane + 8), times scale * log2(e).
@@ -107,7 +109,7 @@ __device__ __forceinline__ void decode(
         for (int i = 0; i < 8; ++i) s = fmaf(qr[g][i], kf[u][i], s);
 #pragma unroll
         for (int width = LANES / 2; width > 0; width /= 2) s += __shfl_xor_sync(0xffffffffu, s, width);
-        if (t < n && lane == 0) scores[g * CHUNK + t] = s;
+        if (t < n && lane == 0) scores[g * CHUNK + t] = t >= first ? s : -INFINITY;
       }
     }
   }
@@ -121,8 +123,8 @@ __device__ __forceinline__ void decode(
 #pragma unroll
     for (int width = 16; width > 0; width /= 2) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, width));
     float l = 0.0f;
-    for (int t = wl; t < n; t += 32) {
-      const float p = exp2f(scores[g * CHUNK + t] - m);
+    for (int t = wl; t < n; t += 32) {  // a slice of padding only: every p is 0 (no inf - inf)
+      const float p = m == -INFINITY ? 0.0f : exp2f(scores[g * CHUNK + t] - m);
       scores[g * CHUNK + t] = p;
       l += p;
     }
@@ -219,4 +221,4 @@ __device__ __forceinline__ void decode(
 
 // ---- body ----
   omlx_sdpa::decode<T, D, G, CHUNK>(q, q_strides.data(), k, k_strides.data(), v, v_strides.data(), scale[0],
-                                    locks, out, partial, k_shape[1], k_shape[2]);
+                                    starts, locks, out, partial, k_shape[1], k_shape[2]);

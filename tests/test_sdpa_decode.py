@@ -84,12 +84,16 @@ def test_benchmark_exactness_check_passes_mlx_and_fails_a_wrong_attention():
     sys.path.insert(0, str(BENCH))
     import attention
 
-    cases = [(2, 8, 2, 64, 37, 256, mx.bfloat16), (1, 4, 4, 128, 300, 512, mx.float16)]
+    cases = [(2, 8, 2, 64, 37, 256, mx.bfloat16, None), (1, 4, 4, 128, 300, 512, mx.float16, None),
+             (3, 8, 2, 128, 90, 256, mx.bfloat16, (0, 5, 60))]
     good = attention.run_exact(attention.mlx_attention, cases=cases)
-    assert good["cases"] == 2 and good["failed"] == 0
+    assert good["cases"] == 3 and good["failed"] == 0
 
-    def stale_by_one(q, k, v, scale):  # forgets the newest cached token
-        return attention.mlx_attention(q, k[..., :-1, :], v[..., :-1, :], scale)
+    def stale_by_one(q, k, v, scale, starts):  # forgets the newest cached token
+        return attention.mlx_attention(q, k[..., :-1, :], v[..., :-1, :], scale, starts)
 
-    bad = attention.run_exact(stale_by_one, cases=cases)
-    assert bad["failed"] == 2
+    def padding_ignored(q, k, v, scale, starts):
+        return attention.mlx_attention(q, k, v, scale)
+
+    assert attention.run_exact(stale_by_one, cases=cases)["failed"] == 3
+    assert attention.run_exact(padding_ignored, cases=cases)["failed"] == 1  # only the padded case differs

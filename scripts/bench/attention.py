@@ -7,8 +7,9 @@ on the H200 (docs/benchmarks/decode-h200-profile-grouped.json). This measures, i
   exact  the kernel against mx.fast.scaled_dot_product_attention and an fp32 reference:
          bf16 and fp16, head size 64 and 128, 1 to 8 query heads per key/value head, one
          cache slice and several (lengths 1 to 5000), K/V as views of a larger cache
-         buffer as mlx-lm's KVCache hands them over; the check is decode.py's `compare`
-         (within 1/128 of the largest output)
+         buffer as mlx-lm's KVCache hands them over, left padding as BatchKVCache keeps
+         it (whole slices of it too); the check is decode.py's `compare` (within 1/128 of
+         the largest output)
   time   GPU time per call, chained in one CUDA graph, K/V of distinct layers (several
          times the L2 cache): MLX without a mask (cuDNN's decode path, as mlx-lm's KVCache
          decodes), MLX with an additive mask (its vector kernel, as `omlx serve`'s
@@ -40,11 +41,13 @@ from omlx_core.kernels import sdpa_decode
 os.environ.update(ONE_GRAPH)
 
 PARTS = ("exact", "time")
-# (batch, query heads, key/value heads, head size, cached tokens, buffer length, dtype)
-EXACT_CASES = ((1, 32, 8, 128, 1024, 1280, mx.bfloat16), (32, 32, 8, 128, 1024, 1280, mx.bfloat16),
-               (3, 28, 4, 128, 77, 256, mx.bfloat16), (2, 16, 16, 64, 2049, 2304, mx.bfloat16),
-               (4, 64, 8, 128, 300, 512, mx.float16), (1, 8, 1, 64, 5000, 5120, mx.bfloat16),
-               (2, 4, 4, 128, 1, 256, mx.bfloat16))
+# (batch, query heads, key/value heads, head size, cached tokens, buffer length, dtype, left
+# padding per sequence or None)
+EXACT_CASES = ((1, 32, 8, 128, 1024, 1280, mx.bfloat16, None), (32, 32, 8, 128, 1024, 1280, mx.bfloat16, None),
+               (3, 28, 4, 128, 77, 256, mx.bfloat16, None), (2, 16, 16, 64, 2049, 2304, mx.bfloat16, None),
+               (4, 64, 8, 128, 300, 512, mx.float16, None), (1, 8, 1, 64, 5000, 5120, mx.bfloat16, None),
+               (2, 4, 4, 128, 1, 256, mx.bfloat16, None), (3, 32, 8, 128, 300, 512, mx.bfloat16, (0, 7, 250)),
+               (2, 16, 4, 64, 2100, 2304, mx.bfloat16, (0, 1500)))
 TIME_SHAPES = ((1, 1024), (8, 1024), (32, 1024), (1, 4096), (8, 4096))  # (batch, context): Qwen3-8B heads
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
 
@@ -58,30 +61,44 @@ def cache_views(batch: int, kv_heads: int, dim: int, tokens: int, length: int, d
     return k_all[..., :tokens, :], v_all[..., :tokens, :]
 
 
-def fp32_attention(q: mx.array, k: mx.array, v: mx.array, scale: float) -> mx.array:
+def padding_mask(starts, tokens: int, dtype) -> mx.array | None:
+    """The additive mask that left padding stands for: -inf before each sequence's start."""
+    if starts is None:
+        return None
+    visible = mx.arange(tokens)[None, :] >= mx.array(starts)[:, None]
+    return mx.where(visible, 0.0, -mx.inf).astype(dtype)[:, None, None, :]
+
+
+def fp32_attention(q: mx.array, k: mx.array, v: mx.array, scale: float, starts=None) -> mx.array:
     group = q.shape[1] // k.shape[1]
     k32, v32 = (mx.repeat(a.astype(mx.float32), group, axis=1) for a in (k, v))
     scores = (q.astype(mx.float32) @ k32.swapaxes(-1, -2)) * scale
-    return mx.softmax(scores, axis=-1) @ v32
+    mask = padding_mask(starts, k.shape[2], mx.float32)
+    return mx.softmax(scores if mask is None else scores + mask, axis=-1) @ v32
 
 
-def mlx_attention(q, k, v, scale, **_):
-    return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale)
+def mlx_attention(q, k, v, scale, starts=None):
+    return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=padding_mask(starts, k.shape[2], q.dtype))
+
+
+def kernel_attention(q, k, v, scale, starts=None):
+    return sdpa_decode.decode_attention(q, k, v, scale, None if starts is None else mx.array(starts, dtype=mx.int32))
 
 
 def run_exact(attention, cases=EXACT_CASES) -> dict:
     rows = []
-    for batch, heads, kv_heads, dim, tokens, length, dtype in cases:
+    for batch, heads, kv_heads, dim, tokens, length, dtype, starts in cases:
         k, v = cache_views(batch, kv_heads, dim, tokens, length, dtype, seed=tokens + dim)
         q = mx.random.normal((batch, heads, 1, dim), key=mx.random.key(heads)).astype(dtype)
         scale = dim**-0.5
-        ours = attention(q, k, v, scale)
+        ours = attention(q, k, v, scale, starts)
         row = {"batch": batch, "heads": heads, "kv_heads": kv_heads, "dim": dim, "tokens": tokens,
-               "dtype": str(dtype).split(".")[-1], "splits": sdpa_decode.splits_for(batch * kv_heads, tokens),
-               **compare(ours, mlx_attention(q, k, v, scale), fp32_attention(q, k, v, scale))}
+               "dtype": str(dtype).split(".")[-1], "padding": starts,
+               "splits": sdpa_decode.splits_for(batch * kv_heads, tokens),
+               **compare(ours, mlx_attention(q, k, v, scale, starts), fp32_attention(q, k, v, scale, starts))}
         rows.append(row)
-        log(f"exact B={batch} H={heads}/{kv_heads} D={dim} T={tokens} {row['dtype']}: rel {row['rel_max']:.2e} "
-            f"ok={row['ok']}")
+        log(f"exact B={batch} H={heads}/{kv_heads} D={dim} T={tokens} {row['dtype']} padding {starts}: "
+            f"rel {row['rel_max']:.2e} ok={row['ok']}")
     worst = max(rows, key=lambda r: r["rel_max"])
     return {"cases": len(rows), "failed": sum(not r["ok"] for r in rows), "worst": worst, "rows": rows}
 
@@ -109,7 +126,7 @@ def run_time(repeats: int, calls: int = 32) -> dict:
 
         def ours(i, q):
             k, v = caches[i % count]
-            return sdpa_decode.decode_attention(q, k, v, scale, locks=locks[i % count])
+            return sdpa_decode.decode_attention(q, k, v, scale, locks=locks[i % count])  # no padding
 
         row = {"batch": batch, "context": context, "kv_bytes": nbytes,
                "splits": sdpa_decode.splits_for(batch * KV_HEADS, context)}
@@ -148,7 +165,7 @@ def main() -> None:
     for part in parts:
         start = time.perf_counter()
         if part == "exact":
-            result["exact"] = run_exact(mlx_attention if args.reference else sdpa_decode.decode_attention)
+            result["exact"] = run_exact(mlx_attention if args.reference else kernel_attention)
         else:
             result["time"] = run_time(args.repeats)
         result.setdefault("seconds", {})[part] = round(time.perf_counter() - start, 1)

@@ -6,8 +6,9 @@ step's 11.2 ms of GPU time on the H200 (docs/benchmarks/decode-h200-profile-grou
 streamed once for each of the query heads sharing it. `kernels/sdpa_decode.cu` reads every
 cached byte once (see the file's comment).
 
-- `decode_attention(q, k, v, scale)`: `mx.fast.scaled_dot_product_attention` without a
-  mask for one query token per sequence, k and v read in place (strided views included).
+- `decode_attention(q, k, v, scale, starts)`: `mx.fast.scaled_dot_product_attention` for
+  one query token per sequence, k and v read in place (strided views included), each
+  sequence's keys from `starts` on (a batch cache's left padding; the mask it stands for).
 - `fusable(q, k, v)`: why the kernel cannot compute these inputs, or None.
 
 Not yet installed in models: scripts/bench/decode.py's `attention` part checks it against
@@ -70,7 +71,7 @@ def _source() -> tuple[str, str]:
 @lru_cache(maxsize=1)
 def _kernel():
     header, body = _source()
-    return mx.fast.cuda_kernel(name="omlx_sdpa_decode", input_names=["q", "k", "v", "scale", "locks"],
+    return mx.fast.cuda_kernel(name="omlx_sdpa_decode", input_names=["q", "k", "v", "scale", "starts", "locks"],
                                output_names=["out", "partial"], source=body, header=header,
                                ensure_row_contiguous=False)
 
@@ -82,11 +83,19 @@ def _scale(value: float) -> mx.array:
     return scale
 
 
-def decode_attention(q: mx.array, k: mx.array, v: mx.array, scale: float,
+@lru_cache(maxsize=64)
+def _no_padding(batch: int) -> mx.array:
+    starts = mx.zeros((batch,), dtype=mx.int32)
+    mx.eval(starts)
+    return starts
+
+
+def decode_attention(q: mx.array, k: mx.array, v: mx.array, scale: float, starts: mx.array | None = None,
                      locks: mx.array | None = None) -> mx.array:
-    """softmax(scale * q k^T) v for q [B, Hq, 1, D] and k, v [B, Hkv, T, D]; `locks`:
-    B * Hkv int32 zeros owned by the caller, never used by two calls at once (the kernel
-    leaves them zero), else fresh zeros per call."""
+    """softmax(scale * q k^T) v for q [B, Hq, 1, D] and k, v [B, Hkv, T, D]. `starts`:
+    int32 [B], where each sequence's keys begin (a batch cache's left padding; none by
+    default). `locks`: B * Hkv int32 zeros owned by the caller, never used by two calls at
+    once (the kernel leaves them zero), else fresh zeros per call."""
     from omlx_core.hardware import mlx_backend
 
     if (backend := mlx_backend()) != "cuda":
@@ -101,7 +110,7 @@ def decode_attention(q: mx.array, k: mx.array, v: mx.array, scale: float,
         locks = mx.zeros((pairs,), dtype=mx.int32)
     partial = splits * batch * heads * (dim + 2) if splits > 1 else 1  # one slice: unused
     out, _ = _kernel()(
-        inputs=[q, k, v, _scale(float(scale)), locks],
+        inputs=[q, k, v, _scale(float(scale)), _no_padding(batch) if starts is None else starts.astype(mx.int32), locks],
         template=[("T", q.dtype), ("D", dim), ("G", heads // kv_heads), ("CHUNK", CHUNK)],
         grid=(pairs * THREADS, splits, 1), threadgroup=(THREADS, 1, 1),
         output_shapes=[(batch, heads, 1, dim), (partial,)], output_dtypes=[q.dtype, mx.float32])
@@ -127,7 +136,7 @@ def generated_source(dtype: str, dim: int, group: int) -> str:
     params = ",\n".join([f"    const {dtype}* q", "    const __grid_constant__ Strides q_strides", f"    const {dtype}* k",
                          "    const __grid_constant__ Shape k_shape", "    const __grid_constant__ Strides k_strides",
                          f"    const {dtype}* v", "    const __grid_constant__ Strides v_strides",
-                         "    const float* scale", "    const int32_t* locks", f"    {dtype}* out", "    float* partial"])
+                         "    const float* scale", "    const int32_t* starts", "    const int32_t* locks", f"    {dtype}* out", "    float* partial"])
     return (STANDALONE_PRELUDE + header + "namespace mlx::core::cu {\n\n"
             f"__global__ void custom_kernel_omlx_sdpa_decode(\n{params}) {{\n"
             f"  using T = {dtype};\n  constexpr int D = {dim};\n  constexpr int G = {group};\n"
