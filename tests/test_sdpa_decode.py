@@ -97,3 +97,112 @@ def test_benchmark_exactness_check_passes_mlx_and_fails_a_wrong_attention():
 
     assert attention.run_exact(stale_by_one, cases=cases)["failed"] == 3
     assert attention.run_exact(padding_ignored, cases=cases)["failed"] == 1  # only the padded case differs
+
+
+# -- installed in models (the kernel mocked: MLX's CUDA backend cannot exist here) ----------
+
+def reference_kernel(calls: list):
+    """A stand-in for the kernel (mocked: no CUDA here): MLX's attention with the mask
+    that `starts` stands for; records each call's padding."""
+    sys.path.insert(0, str(BENCH))
+    import attention
+
+    def run(q, k, v, scale, starts=None, locks=None):
+        calls.append(None if starts is None else starts.tolist())
+        return attention.mlx_attention(q, k, v, scale, None if starts is None else starts.tolist())
+    return run
+
+
+@pytest.fixture
+def mocked_kernel(monkeypatch):
+    calls = []
+    monkeypatch.setattr(sdpa_decode, "decode_attention", reference_kernel(calls))
+    return calls
+
+
+def tiny_model(arch: str, head_dim: int = 64):
+    import importlib
+
+    import mlx.nn as nn
+
+    module = importlib.import_module(f"mlx_lm.models.{arch}")
+    args = module.ModelArgs.from_dict({  # from_dict: qwen2 has no head_dim (hidden / heads, the same here)
+        "model_type": arch, "hidden_size": 4 * head_dim, "num_hidden_layers": 2, "intermediate_size": 512,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "rms_norm_eps": 1e-6, "vocab_size": 97,
+        "max_position_embeddings": 512, "rope_theta": 10000.0, "head_dim": head_dim, "tie_word_embeddings": False})
+    model = module.Model(args)
+    model.set_dtype(mx.bfloat16)
+    nn.quantize(model, group_size=64, bits=4)
+    mx.eval(model.parameters())
+    return model
+
+
+def decode_logits(model, cache, prompt: mx.array, steps: int = 4) -> list:
+    logits = model(prompt, cache=cache)[:, -1:, :]
+    out = []
+    for _ in range(steps):
+        token = mx.argmax(logits, axis=-1).astype(mx.int32)
+        logits = model(token, cache=cache)[:, -1:, :]
+        out.append(logits)
+    mx.eval(out)
+    return out
+
+
+@pytest.mark.parametrize("arch", sdpa_decode.ARCHITECTURES)
+def test_installed_attention_decodes_as_mlx_lm_does_mocked_cuda(arch, mocked_kernel):
+    from mlx_lm.models.cache import make_prompt_cache
+
+    model = tiny_model(arch)
+    prompt = mx.array([[3, 14, 15, 92, 65, 35, 89, 79]] * 2, dtype=mx.int32)
+    stock = decode_logits(model, make_prompt_cache(model), prompt)
+    paths = sdpa_decode.install(model)
+    assert sorted(paths) == [f"model.layers.{i}.self_attn" for i in range(2)]
+    ours = decode_logits(model, make_prompt_cache(model), prompt)
+    assert len(mocked_kernel) == 4 * 2  # each decode step of each layer, the prefill not
+    for a, b in zip(stock, ours):
+        assert mx.array_equal(a, b)
+    for path in paths:  # plain() gives mlx-lm's module back, the same arrays
+        restored = sdpa_decode.plain(dict(model.named_modules())[path])
+        assert type(restored).__name__ == "Attention" and restored.n_heads == 4
+    assert sdpa_decode.plain(model) is model
+
+
+def test_left_padding_of_a_batch_cache_becomes_the_kernels_starts_mocked_cuda(mocked_kernel):
+    from mlx_lm.models.cache import BatchKVCache
+
+    model = tiny_model("qwen3")
+    prompt = mx.array([[3, 14, 15, 92, 65, 35], [0, 0, 0, 7, 11, 13]], dtype=mx.int32)  # left-padded by 3
+    stock = decode_logits(model, [BatchKVCache([0, 3]) for _ in model.layers], prompt)
+    sdpa_decode.install(model)
+    ours = decode_logits(model, [BatchKVCache([0, 3]) for _ in model.layers], prompt)
+    assert mocked_kernel and all(starts == [0, 3] for starts in mocked_kernel)
+    for a, b in zip(stock, ours):
+        assert mx.allclose(a, b, atol=1e-2, rtol=0)  # stock masks with -inf in bf16, ours drops the keys
+
+
+def test_attention_the_kernel_cannot_compute_runs_mlx_lms_path_mocked_cuda(mocked_kernel):
+    from mlx_lm.models.cache import make_prompt_cache
+
+    model = tiny_model("llama", head_dim=32)  # a head size the kernel does not take
+    prompt = mx.array([[5, 6, 7, 8]], dtype=mx.int32)
+    stock = decode_logits(model, make_prompt_cache(model), prompt)
+    sdpa_decode.install(model)
+    ours = decode_logits(model, make_prompt_cache(model), prompt)
+    assert mocked_kernel == []
+    assert all(m.kernel_calls == 0 for _, m in model.named_modules() if isinstance(m, sdpa_decode.DecodeAttention))
+    for a, b in zip(stock, ours):
+        assert mx.array_equal(a, b)
+
+
+def test_unvalidated_it_stays_off_under_auto_and_runs_when_forced():
+    from omlx_core.kernels.registry import install_kernels
+
+    h200 = {"backend": "cuda", "arch": "sm_90", "gpu": "NVIDIA H200"}
+    model = tiny_model("llama")
+    auto = install_kernels(model, "mf-x", {}, kernels=(sdpa_decode.SPEC,), hardware=h200)
+    assert not auto.decisions[0].active and "not validated" in auto.decisions[0].reason
+    assert not any(isinstance(m, sdpa_decode.DecodeAttention) for _, m in model.named_modules())
+    forced = install_kernels(model, "mf-x", {"kernels.sdpa_decode": "on"}, kernels=(sdpa_decode.SPEC,),
+                             hardware=h200)
+    assert forced.decisions[0].active and not forced.decisions[0].validated
+    assert sorted(forced.replaced["sdpa_decode"]) == ["model.layers.0.self_attn", "model.layers.1.self_attn"]

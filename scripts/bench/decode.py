@@ -715,7 +715,8 @@ def decode_step_seconds(model, cache, batch: int, steps: int, repeats: int) -> d
     return {name: statistics.median(values) for name, values in timings.items()}
 
 
-VARIANTS = ("stock", "kernel_ungrouped", "kernel", "dense_copy")  # the model part's: kernel = grouped launches
+# The model part's: kernel = grouped launches; kernel_attention = that and sdpa_decode's attention.
+VARIANTS = ("stock", "kernel_ungrouped", "kernel", "kernel_attention", "dense_copy")
 
 
 def install_variant(model, name: str) -> dict:
@@ -724,7 +725,11 @@ def install_variant(model, name: str) -> dict:
 
     if name == "kernel_ungrouped":
         qmm_decode.install(model, formats=qmm_decode.ALL_FORMATS, min_tokens=1, group=False)
-    elif name == "kernel":
+    elif name in ("kernel", "kernel_attention"):
+        if name == "kernel_attention":
+            from omlx_core.kernels import sdpa_decode
+
+            sdpa_decode.install(model)
         return {"layers": len(qmm_decode.install(model, formats=qmm_decode.ALL_FORMATS, min_tokens=1))}
     elif name == "dense_copy":
         return {"extra_bytes": install_dense_copy(model, {"compute.dense_copy": "on"}, backend="cuda").extra_bytes}
@@ -886,12 +891,15 @@ def run_profile(workdir: Path, tiny: bool, batches, timeout: float = 400) -> dic
 
 
 def restore(model) -> None:
-    """Plain QuantizedLinears (same arrays) back wherever a subclass was installed."""
+    """Plain QuantizedLinears (same arrays) and mlx-lm's attention back wherever a
+    subclass was installed."""
+    from omlx_core.kernels import sdpa_decode
     from omlx_core.prefill.split import replace_module
 
     for path, module in list(model.named_modules()):
-        if qmm_decode.plain(module) is not module:
-            replace_module(model, path, qmm_decode.plain(module))
+        for plain in (qmm_decode.plain, sdpa_decode.plain):
+            if plain(module) is not module:
+                replace_module(model, path, plain(module))
 
 
 # -- main ----------------------------------------------------------------------------------

@@ -8,6 +8,6 @@ mlx-lm's), its source under `kernels/`, a `kernels.<name>` setting in
 
 
 def registered() -> tuple:
-    from omlx_core.kernels import dequantize, indexer_score, qmm_decode
+    from omlx_core.kernels import dequantize, indexer_score, qmm_decode, sdpa_decode
 
-    return (indexer_score.SPEC, qmm_decode.SPEC, dequantize.SPEC)
+    return (indexer_score.SPEC, qmm_decode.SPEC, dequantize.SPEC, sdpa_decode.SPEC)

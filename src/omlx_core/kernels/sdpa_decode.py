@@ -10,17 +10,23 @@ cached byte once (see the file's comment).
   one query token per sequence, k and v read in place (strided views included), each
   sequence's keys from `starts` on (a batch cache's left padding; the mask it stands for).
 - `fusable(q, k, v)`: why the kernel cannot compute these inputs, or None.
+- `DecodeAttention`: mlx-lm's llama/qwen2/qwen3 `Attention` whose one-token steps on a
+  KVCache or BatchKVCache run the kernel (its forward restated for that case; every other
+  call runs mlx-lm's module itself). `install(model)` replaces those modules by name.
 
-Not yet installed in models: scripts/bench/decode.py's `attention` part checks it against
-MLX and times it on the GPU first (no GPU time was left to run it when it was written).
+Registered with no validation yet, so `auto` leaves it off everywhere and
+`kernels.sdpa_decode = on` runs it with a warning: scripts/bench/attention.py checks it
+against MLX and times it on the GPU (no GPU time was left to run it when it was written).
 """
 
 import math
 from functools import lru_cache
 
 import mlx.core as mx
+import mlx.nn as nn
 
 from omlx_core.errors import OmlxError
+from omlx_core.kernels.registry import KernelSpec
 
 SOURCE = "sdpa_decode.cu"
 BODY_MARKER = "// ---- body ----"
@@ -115,6 +121,111 @@ def decode_attention(q: mx.array, k: mx.array, v: mx.array, scale: float, starts
         grid=(pairs * THREADS, splits, 1), threadgroup=(THREADS, 1, 1),
         output_shapes=[(batch, heads, 1, dim), (partial,)], output_dtypes=[q.dtype, mx.float32])
     return out
+
+
+# mlx-lm attention classes whose forward DecodeAttention.decode restates (one token, a cache).
+ARCHITECTURES = ("llama", "qwen2", "qwen3")
+CACHES = ("KVCache", "BatchKVCache")  # mlx-lm caches whose keys it reads: plain, or left-padded
+
+
+def is_attention(module) -> bool:
+    kind = type(module)
+    return kind.__name__ == "Attention" and kind.__module__.rsplit(".", 1)[-1] in ARCHITECTURES
+
+
+class DecodeAttention(nn.Module):
+    """mlx-lm's Attention of ARCHITECTURES, its one-token steps on the kernel: the same
+    modules under the same names and the same attributes, so every other call runs
+    mlx-lm's own forward on this module (and sees any linear replaced here later, as a
+    prefill path's wrapper)."""
+
+    def __init__(self, original):
+        super().__init__()
+        for name, module in original.items():  # q/k/v/o (maybe a qmm_decode group), norms, rope
+            setattr(self, name, module)
+        for name, value in vars(original).items():  # n_heads, n_kv_heads, scale, ...
+            if not name.startswith("_"):
+                setattr(self, name, value)
+        object.__setattr__(self, "_kind", type(original))
+        object.__setattr__(self, "_forward", type(original).__call__)
+        object.__setattr__(self, "_locks", {})  # counters per batch size
+        object.__setattr__(self, "kernel_calls", 0)
+
+    def __call__(self, x: mx.array, mask=None, cache=None) -> mx.array:
+        if x.shape[1] != 1 or type(cache).__name__ not in CACHES:
+            return self._forward(self, x, mask, cache)
+        return self.decode(x, mask, cache)
+
+    def decode(self, x: mx.array, mask, cache) -> mx.array:
+        """mlx-lm's forward for one token per sequence, the kernel for its attention; a
+        BatchKVCache's mask (left padding, nothing causal at one token) becomes `starts`."""
+        from mlx_lm.models.base import scaled_dot_product_attention
+
+        batch = x.shape[0]
+        queries, keys, values = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        queries = queries.reshape(batch, 1, self.n_heads, -1)
+        keys = keys.reshape(batch, 1, self.n_kv_heads, -1)
+        if "q_norm" in self:  # qwen3: RMS norm per head (of the last axis: before the transpose or after)
+            queries, keys = self.q_norm(queries), self.k_norm(keys)
+        queries, keys = queries.transpose(0, 2, 1, 3), keys.transpose(0, 2, 1, 3)
+        values = values.reshape(batch, 1, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        queries = self.rope(queries, offset=cache.offset)
+        keys = self.rope(keys, offset=cache.offset)
+        keys, values = cache.update_and_fetch(keys, values)
+        if fusable(queries, keys, values) is not None:  # as mlx-lm's module computes it
+            output = scaled_dot_product_attention(queries, keys, values, cache=cache, scale=self.scale, mask=mask)
+        else:
+            object.__setattr__(self, "kernel_calls", self.kernel_calls + 1)
+            locks = self._locks.get(batch)
+            if locks is None:
+                locks = self._locks[batch] = mx.zeros((batch * self.n_kv_heads,), dtype=mx.int32)
+            output = decode_attention(queries, keys, values, self.scale, getattr(cache, "left_padding", None), locks)
+        return self.o_proj(output.transpose(0, 2, 1, 3).reshape(batch, 1, -1))
+
+
+def plain(module) -> nn.Module:
+    """mlx-lm's Attention of the same modules and attributes for a DecodeAttention (undoes
+    `install`); any other module as given."""
+    if not isinstance(module, DecodeAttention):
+        return module
+    original = module._kind.__new__(module._kind)
+    nn.Module.__init__(original)
+    for name, child in module.items():
+        setattr(original, name, child)
+    for name, value in vars(module).items():
+        if not name.startswith("_") and name != "kernel_calls":
+            setattr(original, name, value)
+    return original
+
+
+def attention_paths(model) -> list[str]:
+    return [path for path, module in model.named_modules() if is_attention(module)]
+
+
+def install(model) -> list[str]:
+    """Replace every attention module of ARCHITECTURES by a DecodeAttention; their paths."""
+    from omlx_core.kernels.registry import kernel_source
+    from omlx_core.prefill.split import replace_module
+
+    kernel_source(SOURCE)  # a missing source fails the install, before any change
+    modules = dict(model.named_modules())
+    replacements = {path: DecodeAttention(modules[path]) for path in attention_paths(model)}
+    for path, module in replacements.items():
+        replace_module(model, path, module)
+    return list(replacements)
+
+
+SPEC = KernelSpec(
+    name="sdpa_decode",
+    replaces="mlx-lm's attention at one token per sequence (decode) for llama, qwen2 and qwen3",
+    source=SOURCE,
+    # None yet: scripts/bench/attention.py is to check it on the H200 (exact against MLX, then
+    # greedy decode and the whole step through decode.py) before a Validation is recorded.
+    validated=(),
+    applies=lambda model: bool(attention_paths(model)),
+    absent="llama, qwen2 or qwen3 attention",
+    install=install,
+)
 
 
 STANDALONE_PRELUDE = """#include <cuda_bf16.h>

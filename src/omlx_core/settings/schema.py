@@ -223,6 +223,7 @@ SETTINGS: tuple[Setting, ...] = (
     kernel_setting("indexer_score", "the deepseek_v41 indexer score (fused, no per-head tensor)"),
     kernel_setting("qmm_decode", "quantized linears at 1..64 tokens (decode), weights streamed once"),
     kernel_setting("dequantize", "the dense prefill path's dequantize, at HBM bandwidth"),
+    kernel_setting("sdpa_decode", "attention at one token per sequence (decode), each K/V head read once"),
     Setting("compute.dense_copy", "choice", "auto",
             "Keep a dense copy of every quantized weight (charged to the memory guard): float32 for every "
             "input on MLX's CPU backend, the scales' dtype for decode-sized inputs (1..64 tokens) elsewhere; "
