@@ -98,27 +98,33 @@ def _no_padding(batch: int) -> mx.array:
 
 def decode_attention(q: mx.array, k: mx.array, v: mx.array, scale: float, starts: mx.array | None = None,
                      locks: mx.array | None = None) -> mx.array:
-    """softmax(scale * q k^T) v for q [B, Hq, 1, D] and k, v [B, Hkv, T, D]. `starts`:
-    int32 [B], where each sequence's keys begin (a batch cache's left padding; none by
-    default). `locks`: B * Hkv int32 zeros owned by the caller, never used by two calls at
-    once (the kernel leaves them zero), else fresh zeros per call."""
+    """softmax(scale * q k^T) v for q [B, Hq, 1, D] and k, v [B, Hkv, T, D], every argument
+    checked (DecodeAttention checks with `fusable` and calls `launch`). `starts`: int32 [B],
+    where each sequence's keys begin (a batch cache's left padding; none by default).
+    `locks`: B * Hkv int32 zeros owned by the caller, never used by two calls at once (the
+    kernel leaves them zero), else fresh zeros per call."""
     from omlx_core.hardware import mlx_backend
 
     if (backend := mlx_backend()) != "cuda":
         raise OmlxError(f"sdpa_decode needs MLX's CUDA backend (mx.fast.cuda_kernel); this MLX runs on {backend}")
     if why := fusable(q, k, v):
         raise OmlxError(f"sdpa_decode cannot compute {why}")
+    if locks is None:
+        locks = mx.zeros((q.shape[0] * k.shape[1],), dtype=mx.int32)
+    return launch(q, k, v, scale, starts, locks)
+
+
+def launch(q: mx.array, k: mx.array, v: mx.array, scale: float, starts: mx.array | None,
+           locks: mx.array) -> mx.array:
+    """The kernel's call for inputs `fusable` accepted."""
     batch, heads, _, dim = q.shape
     kv_heads, keys = k.shape[1], k.shape[2]
-    pairs = batch * kv_heads
-    splits = splits_for(pairs, keys)
-    if locks is None:
-        locks = mx.zeros((pairs,), dtype=mx.int32)
+    splits = splits_for(batch * kv_heads, keys)
     partial = splits * batch * heads * (dim + 2) if splits > 1 else 1  # one slice: unused
     out, _ = _kernel()(
         inputs=[q, k, v, _scale(float(scale)), _no_padding(batch) if starts is None else starts.astype(mx.int32), locks],
         template=[("T", q.dtype), ("D", dim), ("G", heads // kv_heads), ("CHUNK", CHUNK)],
-        grid=(pairs * THREADS, splits, 1), threadgroup=(THREADS, 1, 1),
+        grid=(batch * kv_heads * THREADS, splits, 1), threadgroup=(THREADS, 1, 1),
         output_shapes=[(batch, heads, 1, dim), (partial,)], output_dtypes=[q.dtype, mx.float32])
     return out
 
@@ -179,7 +185,7 @@ class DecodeAttention(nn.Module):
             locks = self._locks.get(batch)
             if locks is None:
                 locks = self._locks[batch] = mx.zeros((batch * self.n_kv_heads,), dtype=mx.int32)
-            output = decode_attention(queries, keys, values, self.scale, getattr(cache, "left_padding", None), locks)
+            output = launch(queries, keys, values, self.scale, getattr(cache, "left_padding", None), locks)
         return self.o_proj(output.transpose(0, 2, 1, 3).reshape(batch, 1, -1))
 
 
