@@ -18,7 +18,7 @@ import math
 import mlx.core as mx
 import mlx.nn as nn
 
-from omlx_core.kernels.registry import HardwareMatch, KernelSpec, ModelMatch, Validation, kernel_source
+from omlx_core.kernels.registry import HardwareMatch, KernelSpec, ModelMatch, Validation, kernel_source, replace_modules
 
 HEADS = 64  # the kernel's head count (its in-register reduction is laid out for 64)
 TILE_N = 256  # entries per block: 8 warps x 32
@@ -162,14 +162,7 @@ def indexer_paths(model) -> list[str]:
 
 def install(model) -> list[str]:
     """Replace every deepseek_v41 Indexer by a FusedIndexer; returns their paths."""
-    from omlx_core.prefill.split import replace_module
-
-    kernel_source(SPEC.source)  # a missing source fails the install, before any change
-    modules = dict(model.named_modules())
-    replacements = {path: FusedIndexer(modules[path]) for path in indexer_paths(model)}
-    for path, module in replacements.items():
-        replace_module(model, path, module)
-    return list(replacements)
+    return replace_modules(model, SPEC.source, indexer_paths(model), FusedIndexer)
 
 
 SPEC = KernelSpec(

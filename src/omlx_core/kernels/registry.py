@@ -257,6 +257,20 @@ def install_kernels(model, model_fingerprint: str | None, settings: Mapping, *,
     return report
 
 
+def replace_modules(model, source: str, paths: list[str], make: Callable) -> list[str]:
+    """Replace the modules at `paths` by `make(module)`, every replacement built before any
+    is set (and the kernel's `source` found first), so a failed install changes nothing;
+    returns the paths. The install of a kernel that replaces whole modules."""
+    from omlx_core.prefill.split import replace_module
+
+    kernel_source(source)
+    modules = dict(model.named_modules())
+    replacements = {path: make(modules[path]) for path in paths}
+    for path, module in replacements.items():
+        replace_module(model, path, module)
+    return list(replacements)
+
+
 def machine_view(settings: Mapping, *, kernels: tuple[KernelSpec, ...] | None = None,
                  hardware: Mapping | None = None) -> list[dict]:
     """For `omlx status` without a model: every registered kernel, whether it would

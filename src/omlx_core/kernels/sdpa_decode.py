@@ -26,7 +26,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from omlx_core.errors import OmlxError
-from omlx_core.kernels.registry import KernelSpec
+from omlx_core.kernels.registry import KernelSpec, replace_modules
 
 SOURCE = "sdpa_decode.cu"
 BODY_MARKER = "// ---- body ----"
@@ -121,8 +121,9 @@ def launch(q: mx.array, k: mx.array, v: mx.array, scale: float, starts: mx.array
     kv_heads, keys = k.shape[1], k.shape[2]
     splits = splits_for(batch * kv_heads, keys)
     partial = splits * batch * heads * (dim + 2) if splits > 1 else 1  # one slice: unused
+    starts = _no_padding(batch) if starts is None else starts.astype(mx.int32)
     out, _ = _kernel()(
-        inputs=[q, k, v, _scale(float(scale)), _no_padding(batch) if starts is None else starts.astype(mx.int32), locks],
+        inputs=[q, k, v, _scale(float(scale)), starts, locks],
         template=[("T", q.dtype), ("D", dim), ("G", heads // kv_heads), ("CHUNK", CHUNK)],
         grid=(batch * kv_heads * THREADS, splits, 1), threadgroup=(THREADS, 1, 1),
         output_shapes=[(batch, heads, 1, dim), (partial,)], output_dtypes=[q.dtype, mx.float32])
@@ -210,15 +211,7 @@ def attention_paths(model) -> list[str]:
 
 def install(model) -> list[str]:
     """Replace every attention module of ARCHITECTURES by a DecodeAttention; their paths."""
-    from omlx_core.kernels.registry import kernel_source
-    from omlx_core.prefill.split import replace_module
-
-    kernel_source(SOURCE)  # a missing source fails the install, before any change
-    modules = dict(model.named_modules())
-    replacements = {path: DecodeAttention(modules[path]) for path in attention_paths(model)}
-    for path, module in replacements.items():
-        replace_module(model, path, module)
-    return list(replacements)
+    return replace_modules(model, SOURCE, attention_paths(model), DecodeAttention)
 
 
 SPEC = KernelSpec(
@@ -250,10 +243,11 @@ def generated_source(dtype: str, dim: int, group: int) -> str:
     wrapper written out the way MLX 0.32 writes it), with a stand-in for MLX's device
     header: for `nvcc -arch=sm_90a` on a machine with no GPU."""
     header, body = _source()
-    params = ",\n".join([f"    const {dtype}* q", "    const __grid_constant__ Strides q_strides", f"    const {dtype}* k",
-                         "    const __grid_constant__ Shape k_shape", "    const __grid_constant__ Strides k_strides",
-                         f"    const {dtype}* v", "    const __grid_constant__ Strides v_strides",
-                         "    const float* scale", "    const int32_t* starts", "    const int32_t* locks", f"    {dtype}* out", "    float* partial"])
+    params = ",\n".join(f"    {param}" for param in (
+        f"const {dtype}* q", "const __grid_constant__ Strides q_strides",
+        f"const {dtype}* k", "const __grid_constant__ Shape k_shape", "const __grid_constant__ Strides k_strides",
+        f"const {dtype}* v", "const __grid_constant__ Strides v_strides",
+        "const float* scale", "const int32_t* starts", "const int32_t* locks", f"{dtype}* out", "float* partial"))
     return (STANDALONE_PRELUDE + header + "namespace mlx::core::cu {\n\n"
             f"__global__ void custom_kernel_omlx_sdpa_decode(\n{params}) {{\n"
             f"  using T = {dtype};\n  constexpr int D = {dim};\n  constexpr int G = {group};\n"
