@@ -3,20 +3,21 @@
 // that share each key/value head.
 //
 // Why: a decode step reads the whole K/V cache once per layer, and that read is the
-// attention's whole cost. A kernel that takes one query head at a time (cuDNN's decode path
-// runs a 16-row query tile with one row used) streams a key/value head once per query head
-// that shares it, G times. Here one CTA takes one key/value head and all its G query heads,
-// so every cached byte is read once; the cache's sequence axis is split across CTAs (each
-// a slice of at most CHUNK keys) so that a batch of one still fills the GPU.
+// attention's whole cost. cuDNN's decode path (a 16x128x128 flash tile, by its kernel's
+// name) reaches 1.2 TB/s of K/V on the H200 at batch 32, as if it streamed a key/value head
+// once for each query head sharing it. Here one CTA takes one key/value head and all its G
+// query heads, so every cached byte is read once; the cache's sequence axis is split across
+// CTAs (each a slice of at most CHUNK keys) so that a batch of one still fills the GPU.
 //
 // Per CTA: the G queries, pre-scaled by scale * log2(e), live in registers. Phase 1: D/8
 // threads take one key (8 dims each, one 16-byte load; 4 keys a thread in flight at once),
-// dot it with the G queries and reduce across their group; the slice's scores go to shared memory. Phase 2: a warp per
-// query head takes the slice's max and the sum of 2^(s - max). Phase 3: D/8 threads take one
-// value row and accumulate p * v for the G heads; the key slots are then summed in shared
-// memory. With one slice the CTA writes out = acc / sum; with several it publishes (max,
-// sum, acc) in fp32 and the last CTA of the head (a counter per head, left zero) combines
-// the slices in a fixed order, so the result does not depend on which CTA finished last.
+// dot it with the G queries and reduce across their group; the slice's scores go to shared
+// memory. Phase 2: a warp per query head takes the slice's max and the sum of 2^(s - max).
+// Phase 3: D/8 threads take one value row and accumulate p * v for the G heads; the key
+// slots are then summed in shared memory. With one slice the CTA writes out = acc / sum;
+// with several it publishes (max, sum, acc) in fp32 and the last CTA of the head (a counter
+// per head, left zero) combines the slices in a fixed order, so the result does not depend
+// on which CTA finished last.
 //
 // Inputs may be strided views (a KV cache's keys[..., :offset, :], read in place: copying
 // the cache to a contiguous array would cost more than the attention).

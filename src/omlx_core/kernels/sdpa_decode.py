@@ -2,9 +2,9 @@
 
 Why: at batch 32 and a 1k context, cuDNN's decode attention is 4.0 of a Qwen3-8B-shape
 step's 11.2 ms of GPU time on the H200 (docs/benchmarks/decode-h200-profile-grouped.json):
-111 us a layer for 134 MB of K/V. Its query tile holds one head, so a key/value head is
-streamed once for each of the query heads sharing it. `kernels/sdpa_decode.cu` reads every
-cached byte once (see the file's comment).
+111 us a layer for 134 MB of K/V (1.2 TB/s), as if each key/value head were streamed once
+for each query head sharing it. `kernels/sdpa_decode.cu` reads every cached byte once (see
+the file's comment).
 
 - `decode_attention(q, k, v, scale, starts)`: `mx.fast.scaled_dot_product_attention` for
   one query token per sequence, k and v read in place (strided views included), each
