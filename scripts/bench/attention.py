@@ -33,7 +33,7 @@ from pathlib import Path
 
 import mlx.core as mx
 
-# Sibling bench script (decode.py puts this directory on the path for its own siblings).
+# A sibling bench script: this directory is on the path when a script in it runs.
 from decode import L2_BYTES, ONE_GRAPH, bandwidth, chain_seconds, compare, hardware, log
 from omlx_core.kernels import sdpa_decode
 
