@@ -206,3 +206,19 @@ def test_unvalidated_it_stays_off_under_auto_and_runs_when_forced():
                              hardware=h200)
     assert forced.decisions[0].active and not forced.decisions[0].validated
     assert sorted(forced.replaced["sdpa_decode"]) == ["model.layers.0.self_attn", "model.layers.1.self_attn"]
+
+
+def test_benchmark_greedy_check_passes_the_reference_and_catches_ignored_padding(monkeypatch, tmp_path):
+    sys.path.insert(0, str(BENCH))
+    import attention
+
+    calls = []
+    monkeypatch.setattr(sdpa_decode, "launch", reference_kernel(calls))
+    good = attention.run_greedy(tmp_path, count=12)
+    assert [row["identical"] for row in good] == [True, True]
+    assert all(row["kernel_calls"] == 12 * 4 for row in good)  # every step of the tiny llama's 4 layers
+
+    monkeypatch.setattr(sdpa_decode, "launch", lambda q, k, v, scale, starts, locks: attention.mlx_attention(
+        q, k, v, scale))  # attends to the padding too
+    bad = attention.run_greedy(tmp_path, count=12)
+    assert [row["identical"] for row in bad] == [True, False]

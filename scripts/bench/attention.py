@@ -10,6 +10,9 @@ on the H200 (docs/benchmarks/decode-h200-profile-grouped.json). This measures, i
          buffer as mlx-lm's KVCache hands them over, left padding as BatchKVCache keeps
          it (whole slices of it too); the check is decode.py's `compare` (within 1/128 of
          the largest output)
+  greedy 64-token greedy decode of a tiny llama (head size 64, 2 query heads per key/value
+         head; 4-bit g64) from a 9-token prompt, stock against sdpa_decode installed, on
+         KVCache and on BatchKVCache with left padding: identical tokens
   time   GPU time per call, chained in one CUDA graph, K/V of distinct layers (several
          times the L2 cache): MLX without a mask (cuDNN's decode path, as mlx-lm's KVCache
          decodes), MLX with an additive mask (its vector kernel, as `omlx serve`'s
@@ -17,10 +20,11 @@ on the H200 (docs/benchmarks/decode-h200-profile-grouped.json). This measures, i
          heads, head size 128) at batch 1, 8, 32 and context 1k and 4k; effective GB/s
          of K/V read
 
-    python scripts/bench/attention.py [--parts exact,time] [--reference] [--repeats 5] [--save FILE] [--json]
+    python scripts/bench/attention.py [--parts exact,greedy,time] [--reference] [--workdir DIR] [--repeats 5]
+        [--save FILE] [--json]
 
 `--reference` checks the harness where CUDA is absent: MLX's own attention stands in for the
-kernel (exact only).
+kernel (exact and greedy).
 """
 
 import argparse
@@ -40,7 +44,7 @@ from omlx_core.kernels import sdpa_decode
 # MLX reads its graph limits when it first uses the GPU, not at import: each chain is one graph.
 os.environ.update(ONE_GRAPH)
 
-PARTS = ("exact", "time")
+PARTS = ("exact", "greedy", "time")
 # (batch, query heads, key/value heads, head size, cached tokens, buffer length, dtype, left
 # padding per sequence or None)
 EXACT_CASES = ((1, 32, 8, 128, 1024, 1280, mx.bfloat16, None), (32, 32, 8, 128, 1024, 1280, mx.bfloat16, None),
@@ -103,6 +107,50 @@ def run_exact(attention, cases=EXACT_CASES) -> dict:
     return {"cases": len(rows), "failed": sum(not r["ok"] for r in rows), "worst": worst, "rows": rows}
 
 
+GREEDY_SHAPE = {"hidden_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64}
+GREEDY_PROMPT = (42, 7, 100, 300, 1, 250, 411, 77, 5)
+
+
+def greedy_run(model, caches, prompts: mx.array, count: int) -> list[list[int]]:
+    """`count` greedy tokens of every prompt row, decoded one step at a time on `caches`."""
+    logits = model(prompts, cache=caches)[:, -1, :]
+    tokens = []
+    for _ in range(count):
+        token = mx.argmax(logits, axis=-1).astype(mx.int32)
+        tokens.append(token.tolist())
+        logits = model(token[:, None], cache=caches)[:, -1, :]
+    return [list(row) for row in zip(*tokens)]
+
+
+def run_greedy(workdir: Path, count: int = 64) -> list[dict]:
+    """Stock against installed, on a plain cache (one sequence) and a left-padded batch
+    cache (the prompt, and the same prompt shifted by 4 tokens of padding)."""
+    from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
+    from mlx_lm.utils import load
+
+    from omlx_core.models.testing import build_tiny_model
+
+    path = workdir / "attention-greedy-llama-d64"
+    if not (path / "config.json").is_file():
+        build_tiny_model("llama", path, quantized=True, bits=4, group_size=64, shape=GREEDY_SHAPE)
+    model, _ = load(str(path))
+    prompt = list(GREEDY_PROMPT)
+    padded = mx.array([prompt, [0] * 4 + prompt[:-4]], dtype=mx.int32)
+    runs = {"plain": (lambda: make_prompt_cache(model), mx.array([prompt], dtype=mx.int32)),
+            "batch": (lambda: [BatchKVCache([0, 4]) for _ in model.layers], padded)}
+    stock = {name: greedy_run(model, make(), prompts, count) for name, (make, prompts) in runs.items()}
+    paths = sdpa_decode.install(model)
+    modules = dict(model.named_modules())
+    rows = []
+    for name, (make, prompts) in runs.items():
+        before = sum(modules[p].kernel_calls for p in paths)
+        ours = greedy_run(model, make(), prompts, count)
+        rows.append({"cache": name, "tokens": count, "identical": ours == stock[name],
+                     "kernel_calls": sum(modules[p].kernel_calls for p in paths) - before})
+        log(f"greedy {name}: identical={rows[-1]['identical']} ({rows[-1]['kernel_calls']} kernel calls)")
+    return rows
+
+
 def run_time(repeats: int, calls: int = 32) -> dict:
     rows = []
     for batch, context in TIME_SHAPES:
@@ -148,6 +196,7 @@ def main() -> None:
     parser.add_argument("--parts", default=",".join(PARTS))
     parser.add_argument("--reference", action="store_true", help="MLX's attention stands in for the kernel")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--workdir", default="/tmp/omlx-bench-models")
     parser.add_argument("--save", default=None)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
@@ -160,12 +209,18 @@ def main() -> None:
         raise SystemExit("attention.py: the sdpa_decode kernel needs MLX's CUDA backend; run it on the GPU "
                          "machine, or pass --reference to check the harness with MLX's attention")
     if args.reference and "time" in parts:
-        raise SystemExit("attention.py: --reference checks the exact part only (it times nothing of ours)")
+        raise SystemExit("attention.py: --reference checks the exact and greedy parts (it times nothing of ours)")
+    if args.reference:  # MLX's attention, with the mask `starts` stands for, in the kernel's place
+        sdpa_decode.launch = lambda q, k, v, scale, starts, locks: mlx_attention(
+            q, k, v, scale, None if starts is None else starts.tolist())
     result = {"command": " ".join(sys.argv), "hardware": hardware(), "reference": args.reference}
     for part in parts:
         start = time.perf_counter()
         if part == "exact":
             result["exact"] = run_exact(mlx_attention if args.reference else kernel_attention)
+        elif part == "greedy":
+            Path(args.workdir).mkdir(parents=True, exist_ok=True)
+            result["greedy"] = run_greedy(Path(args.workdir))
         else:
             result["time"] = run_time(args.repeats)
         result.setdefault("seconds", {})[part] = round(time.perf_counter() - start, 1)
@@ -174,9 +229,12 @@ def main() -> None:
     if args.json:
         json.dump(result, sys.stdout, indent=1)
         print()
-    elif "exact" in result:
-        print(f"exact: {result['exact']['cases'] - result['exact']['failed']}/{result['exact']['cases']} "
-              f"within 1/128; worst rel {result['exact']['worst']['rel_max']:.2e}")
+    else:
+        if "exact" in result:
+            print(f"exact: {result['exact']['cases'] - result['exact']['failed']}/{result['exact']['cases']} "
+                  f"within 1/128; worst rel {result['exact']['worst']['rel_max']:.2e}")
+        for row in result.get("greedy", []):
+            print(f"greedy {row['cache']}: identical={row['identical']} ({row['kernel_calls']} kernel calls)")
 
 
 if __name__ == "__main__":
