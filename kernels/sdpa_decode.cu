@@ -47,6 +47,20 @@ __device__ __forceinline__ void load8(const T* p, int64_t stride, float (&f)[8])
   }
 }
 
+// This thread's 8 dims of rows base + u * SLOTS + slot (u < U) of a key/value head's
+// slice that starts at row t0 (`head` points at the thread's dims of row 0); rows past
+// the slice's n stay as given. The U loads are in flight together: one row's latency per
+// U rows, not per row.
+template <int U, int SLOTS, typename T>
+__device__ __forceinline__ void load_rows(const T* head, const int64_t* strides, int t0, int base, int slot, int n,
+                                          float (&f)[U][8]) {
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    const int t = base + u * SLOTS + slot;
+    if (t < n) load8(head + (int64_t)(t0 + t) * strides[2], strides[3], f[u]);
+  }
+}
+
 // Template parameters: T the activation type, D the head size (64 or 128), G query heads
 // per key/value head (1..8), CHUNK the most keys of one CTA's slice. Launch: 128 threads;
 // gridDim.x = batch * key/value heads, gridDim.y = the slices (each at most CHUNK keys).
@@ -90,16 +104,11 @@ __device__ __forceinline__ void decode(
     for (int i = 0; i < 8; ++i) qr[g][i] *= scale * LOG2E;
   }
 
-  // Phase 1: scores of the slice's keys, U rows per thread at a time (their loads in flight
-  // together: one row's latency per U rows, not per row).
+  // Phase 1: scores of the slice's keys, U rows per thread at a time.
   const T* kb = k + b * k_strides[0] + kvh * k_strides[1] + 8 * lane * k_strides[3];
   for (int base = 0; base < n; base += U * SLOTS) {  // the same trips for every thread: whole-warp shuffles
     float kf[U][8] = {};
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int t = base + u * SLOTS + slot;
-      if (t < n) load8(kb + (int64_t)(t0 + t) * k_strides[2], k_strides[3], kf[u]);
-    }
+    load_rows<U, SLOTS>(kb, k_strides, t0, base, slot, n, kf);
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int t = base + u * SLOTS + slot;
@@ -144,11 +153,7 @@ __device__ __forceinline__ void decode(
   const T* vb = v + b * v_strides[0] + kvh * v_strides[1] + 8 * lane * v_strides[3];
   for (int base = 0; base < n; base += U * SLOTS) {
     float vf[U][8] = {};
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const int t = base + u * SLOTS + slot;
-      if (t < n) load8(vb + (int64_t)(t0 + t) * v_strides[2], v_strides[3], vf[u]);
-    }
+    load_rows<U, SLOTS>(vb, v_strides, t0, base, slot, n, vf);
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int t = base + u * SLOTS + slot;

@@ -166,8 +166,6 @@ class DecodeAttention(nn.Module):
     def decode(self, x: mx.array, mask, cache) -> mx.array:
         """mlx-lm's forward for one token per sequence, the kernel for its attention; a
         BatchKVCache's mask (left padding, nothing causal at one token) becomes `starts`."""
-        from mlx_lm.models.base import scaled_dot_product_attention
-
         batch = x.shape[0]
         queries, keys, values = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         queries = queries.reshape(batch, 1, self.n_heads, -1)
@@ -180,6 +178,8 @@ class DecodeAttention(nn.Module):
         keys = self.rope(keys, offset=cache.offset)
         keys, values = cache.update_and_fetch(keys, values)
         if fusable(queries, keys, values) is not None:  # as mlx-lm's module computes it
+            from mlx_lm.models.base import scaled_dot_product_attention
+
             output = scaled_dot_product_attention(queries, keys, values, cache=cache, scale=self.scale, mask=mask)
         else:
             object.__setattr__(self, "kernel_calls", self.kernel_calls + 1)
