@@ -10,9 +10,10 @@ on the H200 (docs/benchmarks/decode-h200-profile-grouped.json). This measures, i
          buffer as mlx-lm's KVCache hands them over, left padding as BatchKVCache keeps
          it (whole slices of it too); the check is decode.py's `compare` (within 1/128 of
          the largest output)
-  greedy 64-token greedy decode of a tiny llama (head size 64, 2 query heads per key/value
-         head; 4-bit g64) from a 9-token prompt, stock against sdpa_decode installed, on
-         KVCache and on BatchKVCache with left padding: identical tokens
+  greedy 64-token greedy decode of a tiny fp16 llama (head size 64, 2 query heads per
+         key/value head; 4-bit g64) from a 9-token prompt, stock against sdpa_decode
+         installed, on KVCache and on BatchKVCache with left padding: identical tokens, or
+         a first difference at a near tie of the stock run (top two logits within one ulp)
   time   GPU time per call, chained in one CUDA graph, K/V of distinct layers (several
          times the L2 cache): MLX without a mask (cuDNN's decode path, as mlx-lm's KVCache
          decodes), MLX with an additive mask (its vector kernel, as `omlx serve`'s
@@ -54,6 +55,7 @@ EXACT_CASES = ((1, 32, 8, 128, 1024, 1280, mx.bfloat16, None), (32, 32, 8, 128, 
                (2, 16, 4, 64, 2100, 2304, mx.bfloat16, (0, 1500)))
 TIME_SHAPES = ((1, 1024), (8, 1024), (32, 1024), (1, 4096), (8, 4096))  # (batch, context): Qwen3-8B heads
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
+ROWS_IN_FLIGHT = (2, 8)  # the kernel's U timed beside rows_in_flight's choice (4 at these heads)
 
 
 def cache_views(batch: int, kv_heads: int, dim: int, tokens: int, length: int, dtype, seed: int):
@@ -73,6 +75,15 @@ def padding_mask(starts, tokens: int, dtype) -> mx.array | None:
     return mx.where(visible, 0.0, -mx.inf).astype(dtype)[:, None, None, :]
 
 
+def poisoned(a: mx.array, starts) -> mx.array:
+    """`a` with NaN in every padded row: the kernel must never read them (a padded query
+    row of a prefill attends to nothing, and its keys and values may be NaN)."""
+    if starts is None:
+        return a
+    visible = mx.arange(a.shape[2])[None, :] >= mx.array(starts)[:, None]
+    return mx.where(visible[:, None, :, None], a, mx.nan).astype(a.dtype)
+
+
 def fp32_attention(q: mx.array, k: mx.array, v: mx.array, scale: float, starts=None) -> mx.array:
     group = q.shape[1] // k.shape[1]
     k32, v32 = (mx.repeat(a.astype(mx.float32), group, axis=1) for a in (k, v))
@@ -89,13 +100,16 @@ def kernel_attention(q, k, v, scale, starts=None):
     return sdpa_decode.decode_attention(q, k, v, scale, None if starts is None else mx.array(starts, dtype=mx.int32))
 
 
-def run_exact(attention, cases=EXACT_CASES) -> dict:
+def run_exact(attention, cases=EXACT_CASES, poison: bool = True) -> dict:
+    """`attention` against MLX's and fp32, padded rows NaN unless `poison` is off (MLX's
+    own attention multiplies them by zero: it stands in only without)."""
     rows = []
     for batch, heads, kv_heads, dim, tokens, length, dtype, starts in cases:
         k, v = cache_views(batch, kv_heads, dim, tokens, length, dtype, seed=tokens + dim)
         q = mx.random.normal((batch, heads, 1, dim), key=mx.random.key(heads)).astype(dtype)
         scale = dim**-0.5
-        ours = attention(q, k, v, scale, starts)
+        given = (poisoned(k, starts), poisoned(v, starts)) if poison else (k, v)
+        ours = attention(q, *given, scale, starts)
         row = {"batch": batch, "heads": heads, "kv_heads": kv_heads, "dim": dim, "tokens": tokens,
                "dtype": str(dtype).split(".")[-1], "padding": starts,
                "splits": sdpa_decode.splits_for(batch * kv_heads, tokens),
@@ -111,28 +125,57 @@ GREEDY_SHAPE = {"hidden_size": 256, "num_attention_heads": 4, "num_key_value_hea
 GREEDY_PROMPT = (42, 7, 100, 300, 1, 250, 411, 77, 5)
 
 
-def greedy_run(model, caches, prompts: mx.array, count: int) -> list[list[int]]:
-    """`count` greedy tokens of every prompt row, decoded one step at a time on `caches`."""
+def greedy_run(model, caches, prompts: mx.array, count: int) -> tuple[list[list[int]], list[list[float]]]:
+    """`count` greedy tokens of every prompt row, decoded one step at a time on `caches`,
+    and each step's margin in units in the last place of the top logit: how far the chosen
+    logit stands above the runner-up (0: a tie, 1: one rounding step)."""
     logits = model(prompts, cache=caches)[:, -1, :]
-    tokens = []
+    mantissa = mx.finfo(logits.dtype).eps
+    tokens, margins = [], []
     for _ in range(count):
         token = mx.argmax(logits, axis=-1).astype(mx.int32)
+        top2 = mx.topk(logits.astype(mx.float32), 2, axis=-1)
+        ulp = mantissa * mx.power(2.0, mx.floor(mx.log2(mx.abs(top2[:, 1]))))
         tokens.append(token.tolist())
+        margins.append((mx.abs(top2[:, 1] - top2[:, 0]) / ulp).tolist())
         logits = model(token[:, None], cache=caches)[:, -1, :]
-    return [list(row) for row in zip(*tokens)]
+    return [list(row) for row in zip(*tokens)], [list(row) for row in zip(*margins)]
+
+
+NEAR_TIE_ULPS = 1  # a step whose top two logits are this close picks on rounding alone
+
+
+def first_difference(ours: list[list[int]], theirs: list[list[int]], margins: list[list[float]]) -> list:
+    """Per sequence: None where the tokens agree, else the first step that differs, the
+    stock run's margin there (in ulps) and whether that step was a near tie."""
+    found = []
+    for row, (a, b) in enumerate(zip(ours, theirs)):
+        step = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+        found.append(None if step is None else {"step": step, "stock_margin_ulps": margins[row][step],
+                                                 "near_tie": margins[row][step] <= NEAR_TIE_ULPS})
+    return found
+
+
+def fp32_launch(q, k, v, scale, starts, locks, rows=None):
+    """The kernel's place taken by an fp32 attention (the greedy part's third opinion)."""
+    return fp32_attention(q, k, v, scale, None if starts is None else starts.tolist()).astype(q.dtype)
 
 
 def run_greedy(workdir: Path, count: int = 64) -> list[dict]:
     """Stock against installed, on a plain cache (one sequence) and a left-padded batch
-    cache (the prompt, and the same prompt shifted by 4 tokens of padding)."""
+    cache (the prompt, and the same prompt shifted by 4 tokens of padding), an fp16 tiny
+    llama (bf16 logits of a random model tie too often). They agree when the tokens are
+    identical or first differ at a near tie of the stock run, which rounding alone decides;
+    where they differ, a third run with an fp32 attention in the kernel's place shows
+    whether exact attention sides with either."""
     from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
     from mlx_lm.utils import load
 
     from omlx_core.models.testing import build_tiny_model
 
-    path = workdir / "attention-greedy-llama-d64"
+    path = workdir / "attention-greedy-llama-d64-fp16"
     if not (path / "config.json").is_file():
-        build_tiny_model("llama", path, quantized=True, bits=4, group_size=64, shape=GREEDY_SHAPE)
+        build_tiny_model("llama", path, quantized=True, bits=4, group_size=64, dtype="float16", shape=GREEDY_SHAPE)
     model, _ = load(str(path))
     prompt = list(GREEDY_PROMPT)
     padded = mx.array([prompt, [0] * 4 + prompt[:-4]], dtype=mx.int32)
@@ -144,10 +187,22 @@ def run_greedy(workdir: Path, count: int = 64) -> list[dict]:
     rows = []
     for name, (make, prompts) in runs.items():
         before = sum(modules[p].kernel_calls for p in paths)
-        ours = greedy_run(model, make(), prompts, count)
-        rows.append({"cache": name, "tokens": count, "identical": ours == stock[name],
-                     "kernel_calls": sum(modules[p].kernel_calls for p in paths) - before})
-        log(f"greedy {name}: identical={rows[-1]['identical']} ({rows[-1]['kernel_calls']} kernel calls)")
+        ours, _ = greedy_run(model, make(), prompts, count)
+        row = {"cache": name, "tokens": count, "identical": ours == stock[name][0],
+               "agrees": ours == stock[name][0], "kernel_calls": sum(modules[p].kernel_calls for p in paths) - before}
+        if not row["identical"]:
+            kernel, sdpa_decode.launch = sdpa_decode.launch, fp32_launch
+            try:
+                exact, _ = greedy_run(model, make(), prompts, count)
+            finally:
+                sdpa_decode.launch = kernel
+            differs = first_difference(ours, stock[name][0], stock[name][1])
+            row.update(agrees=all(d is None or d["near_tie"] for d in differs), differs=differs,
+                       ours_matches_fp32=ours == exact, stock_matches_fp32=stock[name][0] == exact)
+        rows.append(row)
+        log(f"greedy {name}: identical={row['identical']} agrees={row['agrees']} ({row['kernel_calls']} kernel calls)"
+            + ("" if row["identical"] else f"; differs {row['differs']}, ours as fp32 attention "
+               f"{row['ours_matches_fp32']}, stock as fp32 attention {row['stock_matches_fp32']}"))
     return rows
 
 
@@ -172,19 +227,23 @@ def run_time(repeats: int, calls: int = 32) -> dict:
             k, v = caches[i % count]
             return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
 
-        def ours(i, q):
-            k, v = caches[i % count]
-            return sdpa_decode.decode_attention(q, k, v, scale, locks=locks[i % count])  # no padding
+        def ours(rows):
+            def step(i, q):
+                k, v = caches[i % count]
+                return sdpa_decode.launch(q, k, v, scale, None, locks[i % count], rows=rows)  # no padding
+            return step
 
         row = {"batch": batch, "context": context, "kv_bytes": nbytes,
                "splits": sdpa_decode.splits_for(batch * KV_HEADS, context)}
-        for name, step in (("mlx_cudnn", cudnn), ("mlx_masked", vector), ("ours", ours)):
+        variants = {"mlx_cudnn": cudnn, "mlx_masked": vector, "ours": ours(None),
+                    **{f"ours_u{rows}": ours(rows) for rows in ROWS_IN_FLIGHT}}
+        for name, step in variants.items():
             wall, gpu = chain_seconds(step, q0, calls, repeats)
             row[f"{name}_us"], row[f"{name}_gbps"] = gpu * 1e6, bandwidth(nbytes, gpu)
         rows.append(row)
         log(f"time B={batch} ctx={context}: " + ", ".join(
             f"{name} {row[name + '_us']:.1f} us ({row[name + '_gbps']:.0f} GB/s)"
-            for name in ("mlx_cudnn", "mlx_masked", "ours")))
+            for name in variants))
         del caches
         mx.clear_cache()
     return {"method": f"{calls} dependent calls as one CUDA graph, median of {repeats}; us: GPU time per call; "
@@ -211,13 +270,13 @@ def main() -> None:
     if args.reference and "time" in parts:
         raise SystemExit("attention.py: --reference checks the exact and greedy parts (it times nothing of ours)")
     if args.reference:  # MLX's attention, with the mask `starts` stands for, in the kernel's place
-        sdpa_decode.launch = lambda q, k, v, scale, starts, locks: mlx_attention(
+        sdpa_decode.launch = lambda q, k, v, scale, starts, locks, rows=None: mlx_attention(
             q, k, v, scale, None if starts is None else starts.tolist())
     result = {"command": " ".join(sys.argv), "hardware": hardware(), "reference": args.reference}
     for part in parts:
         start = time.perf_counter()
         if part == "exact":
-            result["exact"] = run_exact(mlx_attention if args.reference else kernel_attention)
+            result["exact"] = run_exact(mlx_attention if args.reference else kernel_attention, poison=not args.reference)
         elif part == "greedy":
             Path(args.workdir).mkdir(parents=True, exist_ok=True)
             result["greedy"] = run_greedy(Path(args.workdir))
@@ -234,7 +293,8 @@ def main() -> None:
             print(f"exact: {result['exact']['cases'] - result['exact']['failed']}/{result['exact']['cases']} "
                   f"within 1/128; worst rel {result['exact']['worst']['rel_max']:.2e}")
         for row in result.get("greedy", []):
-            print(f"greedy {row['cache']}: identical={row['identical']} ({row['kernel_calls']} kernel calls)")
+            print(f"greedy {row['cache']}: identical={row['identical']} agrees={row['agrees']} "
+                  f"({row['kernel_calls']} kernel calls)")
 
 
 if __name__ == "__main__":

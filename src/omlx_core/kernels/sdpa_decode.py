@@ -32,9 +32,17 @@ SOURCE = "sdpa_decode.cu"
 BODY_MARKER = "// ---- body ----"
 HEAD_DIMS = (64, 128)
 MAX_GROUP = 8  # query heads per key/value head
-CHUNK = 1024  # most keys of one CTA's slice (its scores sit in shared memory)
 THREADS = 128
-SMS = 132  # H200 multiprocessors: the slices aim at two CTAs for each
+SMS = 132  # H200 multiprocessors
+CTAS_PER_SM = 3  # what the slices aim at: enough loads in flight to keep HBM busy
+MIN_KEYS = 64  # fewest keys of a slice: below this a CTA's fixed cost outweighs its reads
+REGISTERS = 65536  # an SM's 32-bit registers: CTAS_PER_SM CTAs of THREADS must fit them
+
+
+def rows_in_flight(group: int) -> int:
+    """Key/value rows a thread loads at once (U): four, two for the widest groups, whose
+    G running sums would not leave registers for CTAS_PER_SM CTAs an SM otherwise."""
+    return 4 if group <= 4 else 2
 DTYPES = (mx.bfloat16, mx.float16)
 
 
@@ -59,11 +67,10 @@ def fusable(q: mx.array, k: mx.array, v: mx.array) -> str | None:
 
 
 def splits_for(pairs: int, keys: int) -> int:
-    """Slices of the cache's length: each at most CHUNK keys, and with the batch's
-    (sequence, key/value head) pairs about two CTAs an SM, none under 64 keys."""
-    fit = math.ceil(keys / CHUNK)
-    wanted = math.ceil(2 * SMS / pairs)
-    return max(fit, min(wanted, math.ceil(keys / 64)))
+    """Slices of the cache's length: with the batch's (sequence, key/value head) pairs,
+    about CTAS_PER_SM CTAs an SM, none of under MIN_KEYS keys."""
+    wanted = math.ceil(CTAS_PER_SM * SMS / pairs)
+    return max(1, min(wanted, math.ceil(keys / MIN_KEYS)))
 
 
 @lru_cache(maxsize=1)
@@ -115,16 +122,18 @@ def decode_attention(q: mx.array, k: mx.array, v: mx.array, scale: float, starts
 
 
 def launch(q: mx.array, k: mx.array, v: mx.array, scale: float, starts: mx.array | None,
-           locks: mx.array) -> mx.array:
-    """The kernel's call for inputs `fusable` accepted."""
+           locks: mx.array, rows: int | None = None) -> mx.array:
+    """The kernel's call for inputs `fusable` accepted; `rows`: U in place of
+    rows_in_flight's (for the benchmark)."""
     batch, heads, _, dim = q.shape
     kv_heads, keys = k.shape[1], k.shape[2]
+    group = heads // kv_heads
     splits = splits_for(batch * kv_heads, keys)
     partial = splits * batch * heads * (dim + 2) if splits > 1 else 1  # one slice: unused
     starts = _no_padding(batch) if starts is None else starts.astype(mx.int32)
     out, _ = _kernel()(
         inputs=[q, k, v, _scale(float(scale)), starts, locks],
-        template=[("T", q.dtype), ("D", dim), ("G", heads // kv_heads), ("CHUNK", CHUNK)],
+        template=[("T", q.dtype), ("D", dim), ("G", group), ("U", rows or rows_in_flight(group))],
         grid=(batch * kv_heads * THREADS, splits, 1), threadgroup=(THREADS, 1, 1),
         output_shapes=[(batch, heads, 1, dim), (partial,)], output_dtypes=[q.dtype, mx.float32])
     return out
@@ -238,7 +247,7 @@ using Strides = cuda::std::array<int64_t, 10>;
 """
 
 
-def generated_source(dtype: str, dim: int, group: int) -> str:
+def generated_source(dtype: str, dim: int, group: int, rows: int | None = None) -> str:
     """The translation unit mx.fast.cuda_kernel compiles for these template values (its
     wrapper written out the way MLX 0.32 writes it), with a stand-in for MLX's device
     header: for `nvcc -arch=sm_90a` on a machine with no GPU."""
@@ -251,4 +260,4 @@ def generated_source(dtype: str, dim: int, group: int) -> str:
     return (STANDALONE_PRELUDE + header + "namespace mlx::core::cu {\n\n"
             f"__global__ void custom_kernel_omlx_sdpa_decode(\n{params}) {{\n"
             f"  using T = {dtype};\n  constexpr int D = {dim};\n  constexpr int G = {group};\n"
-            f"  constexpr int CHUNK = {CHUNK};\n" + body + "\n}\n\n} // namespace mlx::core::cu\n")
+            f"  constexpr int U = {rows or rows_in_flight(group)};\n" + body + "\n}\n\n} // namespace mlx::core::cu\n")
