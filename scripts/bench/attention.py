@@ -12,7 +12,7 @@ on the H200 (docs/benchmarks/decode-h200-profile-grouped.json). This measures, i
          the largest output)
   greedy 64-token greedy decode of a tiny fp16 llama (head size 64, 2 query heads per
          key/value head; 4-bit g64) from a 9-token prompt, stock against sdpa_decode
-         installed, on KVCache and on BatchKVCache with left padding: identical tokens, or
+         installed, on KVCache (two prompts) and on BatchKVCache with left padding: identical tokens, or
          a first difference at a near tie of the stock run (top two logits within one ulp)
   time   GPU time per call, chained in one CUDA graph, K/V of distinct layers (several
          times the L2 cache): MLX without a mask (cuDNN's decode path, as mlx-lm's KVCache
@@ -55,7 +55,6 @@ EXACT_CASES = ((1, 32, 8, 128, 1024, 1280, mx.bfloat16, None), (32, 32, 8, 128, 
                (2, 16, 4, 64, 2100, 2304, mx.bfloat16, (0, 1500)))
 TIME_SHAPES = ((1, 1024), (8, 1024), (32, 1024), (1, 4096), (8, 4096))  # (batch, context): Qwen3-8B heads
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128
-ROWS_IN_FLIGHT = (2, 8)  # the kernel's U timed beside rows_in_flight's choice (4 at these heads)
 
 
 def cache_views(batch: int, kv_heads: int, dim: int, tokens: int, length: int, dtype, seed: int):
@@ -156,14 +155,14 @@ def first_difference(ours: list[list[int]], theirs: list[list[int]], margins: li
     return found
 
 
-def fp32_launch(q, k, v, scale, starts, locks, rows=None):
+def fp32_launch(q, k, v, scale, starts, locks):
     """The kernel's place taken by an fp32 attention (the greedy part's third opinion)."""
     return fp32_attention(q, k, v, scale, None if starts is None else starts.tolist()).astype(q.dtype)
 
 
 def run_greedy(workdir: Path, count: int = 64) -> list[dict]:
-    """Stock against installed, on a plain cache (one sequence) and a left-padded batch
-    cache (the prompt, and the same prompt shifted by 4 tokens of padding), an fp16 tiny
+    """Stock against installed, on a plain cache (two sequences: one stays on MLX's
+    attention, MIN_BATCH) and a left-padded batch cache (the prompt, and the same prompt shifted by 4 tokens of padding), an fp16 tiny
     llama (bf16 logits of a random model tie too often). They agree when the tokens are
     identical or first differ at a near tie of the stock run, which rounding alone decides;
     where they differ, a third run with an fp32 attention in the kernel's place shows
@@ -179,7 +178,7 @@ def run_greedy(workdir: Path, count: int = 64) -> list[dict]:
     model, _ = load(str(path))
     prompt = list(GREEDY_PROMPT)
     padded = mx.array([prompt, [0] * 4 + prompt[:-4]], dtype=mx.int32)
-    runs = {"plain": (lambda: make_prompt_cache(model), mx.array([prompt], dtype=mx.int32)),
+    runs = {"plain": (lambda: make_prompt_cache(model), mx.array([prompt, prompt[::-1]], dtype=mx.int32)),
             "batch": (lambda: [BatchKVCache([0, 4]) for _ in model.layers], padded)}
     stock = {name: greedy_run(model, make(), prompts, count) for name, (make, prompts) in runs.items()}
     paths = sdpa_decode.install(model)
@@ -227,16 +226,13 @@ def run_time(repeats: int, calls: int = 32) -> dict:
             k, v = caches[i % count]
             return mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
 
-        def ours(rows):
-            def step(i, q):
-                k, v = caches[i % count]
-                return sdpa_decode.launch(q, k, v, scale, None, locks[i % count], rows=rows)  # no padding
-            return step
+        def ours(i, q):
+            k, v = caches[i % count]
+            return sdpa_decode.decode_attention(q, k, v, scale, locks=locks[i % count])  # no padding
 
         row = {"batch": batch, "context": context, "kv_bytes": nbytes,
                "splits": sdpa_decode.splits_for(batch * KV_HEADS, context)}
-        variants = {"mlx_cudnn": cudnn, "mlx_masked": vector, "ours": ours(None),
-                    **{f"ours_u{rows}": ours(rows) for rows in ROWS_IN_FLIGHT}}
+        variants = {"mlx_cudnn": cudnn, "mlx_masked": vector, "ours": ours}
         for name, step in variants.items():
             wall, gpu = chain_seconds(step, q0, calls, repeats)
             row[f"{name}_us"], row[f"{name}_gbps"] = gpu * 1e6, bandwidth(nbytes, gpu)
@@ -270,7 +266,7 @@ def main() -> None:
     if args.reference and "time" in parts:
         raise SystemExit("attention.py: --reference checks the exact and greedy parts (it times nothing of ours)")
     if args.reference:  # MLX's attention, with the mask `starts` stands for, in the kernel's place
-        sdpa_decode.launch = lambda q, k, v, scale, starts, locks, rows=None: mlx_attention(
+        sdpa_decode.launch = lambda q, k, v, scale, starts, locks: mlx_attention(
             q, k, v, scale, None if starts is None else starts.tolist())
     result = {"command": " ".join(sys.argv), "hardware": hardware(), "reference": args.reference}
     for part in parts:

@@ -14,9 +14,9 @@ the file's comment).
   KVCache or BatchKVCache run the kernel (its forward restated for that case; every other
   call runs mlx-lm's module itself). `install(model)` replaces those modules by name.
 
-Registered with no validation yet, so `auto` leaves it off everywhere and
-`kernels.sdpa_decode = on` runs it with a warning: scripts/bench/attention.py checks it
-against MLX and times it on the GPU (no GPU time was left to run it when it was written).
+Validated on the H200 for llama-architecture models (scripts/bench/attention.py: exact
+against MLX and fp32, greedy decode; decode.py and serve.py: the whole step and 32 streams),
+so `auto` installs it there; one sequence at a time stays on MLX's attention (MIN_BATCH).
 """
 
 import math
@@ -26,7 +26,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from omlx_core.errors import OmlxError
-from omlx_core.kernels.registry import KernelSpec, replace_modules
+from omlx_core.kernels.registry import HardwareMatch, KernelSpec, ModelMatch, Validation, replace_modules
 
 SOURCE = "sdpa_decode.cu"
 BODY_MARKER = "// ---- body ----"
@@ -34,16 +34,14 @@ HEAD_DIMS = (64, 128)
 MAX_GROUP = 8  # query heads per key/value head
 THREADS = 128
 SMS = 132  # H200 multiprocessors
-CTAS_PER_SM = 3  # what the slices aim at: enough loads in flight to keep HBM busy
+CTAS_PER_SM = 2  # what the slices aim at (and fit an SM's registers): 8 warps, 64 KB of loads in flight
 MIN_KEYS = 64  # fewest keys of a slice: below this a CTA's fixed cost outweighs its reads
+MAX_SPLITS = 64  # most slices of one head (the kernel's combine holds their weights)
 REGISTERS = 65536  # an SM's 32-bit registers: CTAS_PER_SM CTAs of THREADS must fit them
 
 
-def rows_in_flight(group: int) -> int:
-    """Key/value rows a thread loads at once (U): four, two for the widest groups, whose
-    G running sums would not leave registers for CTAS_PER_SM CTAs an SM otherwise."""
-    return 4 if group <= 4 else 2
 DTYPES = (mx.bfloat16, mx.float16)
+MIN_BATCH = 2  # one sequence stays on MLX's attention: cuDNN's is faster there (docs/benchmarks/attention-h200.json)
 
 
 def fusable(q: mx.array, k: mx.array, v: mx.array) -> str | None:
@@ -68,9 +66,9 @@ def fusable(q: mx.array, k: mx.array, v: mx.array) -> str | None:
 
 def splits_for(pairs: int, keys: int) -> int:
     """Slices of the cache's length: with the batch's (sequence, key/value head) pairs,
-    about CTAS_PER_SM CTAs an SM, none of under MIN_KEYS keys."""
+    about CTAS_PER_SM CTAs an SM, none of under MIN_KEYS keys, at most MAX_SPLITS."""
     wanted = math.ceil(CTAS_PER_SM * SMS / pairs)
-    return max(1, min(wanted, math.ceil(keys / MIN_KEYS)))
+    return max(1, min(wanted, math.ceil(keys / MIN_KEYS), MAX_SPLITS))
 
 
 @lru_cache(maxsize=1)
@@ -122,18 +120,16 @@ def decode_attention(q: mx.array, k: mx.array, v: mx.array, scale: float, starts
 
 
 def launch(q: mx.array, k: mx.array, v: mx.array, scale: float, starts: mx.array | None,
-           locks: mx.array, rows: int | None = None) -> mx.array:
-    """The kernel's call for inputs `fusable` accepted; `rows`: U in place of
-    rows_in_flight's (for the benchmark)."""
+           locks: mx.array) -> mx.array:
+    """The kernel's call for inputs `fusable` accepted."""
     batch, heads, _, dim = q.shape
     kv_heads, keys = k.shape[1], k.shape[2]
-    group = heads // kv_heads
     splits = splits_for(batch * kv_heads, keys)
     partial = splits * batch * heads * (dim + 2) if splits > 1 else 1  # one slice: unused
     starts = _no_padding(batch) if starts is None else starts.astype(mx.int32)
     out, _ = _kernel()(
         inputs=[q, k, v, _scale(float(scale)), starts, locks],
-        template=[("T", q.dtype), ("D", dim), ("G", group), ("U", rows or rows_in_flight(group))],
+        template=[("T", q.dtype), ("D", dim), ("G", heads // kv_heads)],
         grid=(batch * kv_heads * THREADS, splits, 1), threadgroup=(THREADS, 1, 1),
         output_shapes=[(batch, heads, 1, dim), (partial,)], output_dtypes=[q.dtype, mx.float32])
     return out
@@ -168,7 +164,7 @@ class DecodeAttention(nn.Module):
         object.__setattr__(self, "kernel_calls", 0)
 
     def __call__(self, x: mx.array, mask=None, cache=None) -> mx.array:
-        if x.shape[1] != 1 or type(cache).__name__ not in CACHES:
+        if x.shape[1] != 1 or x.shape[0] < MIN_BATCH or type(cache).__name__ not in CACHES:
             return self._forward(self, x, mask, cache)
         return self.decode(x, mask, cache)
 
@@ -227,9 +223,9 @@ SPEC = KernelSpec(
     name="sdpa_decode",
     replaces="mlx-lm's attention at one token per sequence (decode) for llama, qwen2 and qwen3",
     source=SOURCE,
-    # None yet: scripts/bench/attention.py is to check it on the H200 (exact against MLX, then
-    # greedy decode and the whole step through decode.py) before a Validation is recorded.
-    validated=(),
+    validated=(Validation(ModelMatch.architecture("llama"), HardwareMatch("cuda", "sm_90", "NVIDIA H200"),
+                          "docs/benchmarks/attention-h200.json, decode-h200-model-attention.json, "
+                          "serve-h200-qwen3-8b-shape-32-streams-attention.json"),),
     applies=lambda model: bool(attention_paths(model)),
     absent="llama, qwen2 or qwen3 attention",
     install=install,
@@ -247,7 +243,7 @@ using Strides = cuda::std::array<int64_t, 10>;
 """
 
 
-def generated_source(dtype: str, dim: int, group: int, rows: int | None = None) -> str:
+def generated_source(dtype: str, dim: int, group: int) -> str:
     """The translation unit mx.fast.cuda_kernel compiles for these template values (its
     wrapper written out the way MLX 0.32 writes it), with a stand-in for MLX's device
     header: for `nvcc -arch=sm_90a` on a machine with no GPU."""
@@ -259,5 +255,4 @@ def generated_source(dtype: str, dim: int, group: int, rows: int | None = None) 
         "const float* scale", "const int32_t* starts", "const int32_t* locks", f"{dtype}* out", "float* partial"))
     return (STANDALONE_PRELUDE + header + "namespace mlx::core::cu {\n\n"
             f"__global__ void custom_kernel_omlx_sdpa_decode(\n{params}) {{\n"
-            f"  using T = {dtype};\n  constexpr int D = {dim};\n  constexpr int G = {group};\n"
-            f"  constexpr int U = {rows or rows_in_flight(group)};\n" + body + "\n}\n\n} // namespace mlx::core::cu\n")
+            f"  using T = {dtype};\n  constexpr int D = {dim};\n  constexpr int G = {group};\n" + body + "\n}\n\n} // namespace mlx::core::cu\n")
