@@ -15,7 +15,8 @@ answers 200 the workload runs through `omlx_core.bench.serving.run_serving` (the
 generator `omlx bench --url` uses), then the server is stopped (SIGTERM, SIGKILL after
 --stop-timeout) before the other one starts: never both at once, so neither competes for
 the cores. mlx_lm.server answers /health 200 before its model has loaded, so the warm-up
-(the calibration request plus --warmup requests, not counted) also absorbs the load.
+(the calibration request plus --warmup requests at --concurrency, not counted: --warmup 32 at
+32 streams runs every batch size before the clock starts) also absorbs the load.
 
 Every request streams `max_tokens` = --gen with `ignore_eos`; omlx honours it, mlx_lm.server
 does not and may stop at EOS, so tokens are counted as each server reports them and the

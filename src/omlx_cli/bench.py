@@ -113,7 +113,7 @@ def bench(
     gen: str = typer.Option("128", "--gen", help="Tokens generated per sequence (exact offline: EOS is masked)."),
     batch: int = typer.Option(1, "--batch", help="Offline: sequences run together."),
     repeats: int = typer.Option(3, "--repeats", help="Offline: measured runs per length and variant."),
-    warmup: int = typer.Option(1, "--warmup", help="Discarded runs first (serving: requests per level)."),
+    warmup: int = typer.Option(1, "--warmup", help="Discarded runs first (serving: requests per level, sent at its concurrency)."),
     seed: int = typer.Option(0, "--seed", help="Seed of the synthetic prompts."),
     profile: Optional[str] = typer.Option(None, "--profile", help="Offline: use this profile of --model."),
     sets: List[str] = typer.Option([], "--set", metavar="KEY=VALUE",

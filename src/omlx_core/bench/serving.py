@@ -228,9 +228,9 @@ async def _run(server: Server, workload: ServingWorkload, on_progress: Progress)
             words = words_for(ctx, rate)
             for concurrency in workload.concurrency:
                 on_progress(done, total, f"ctx {ctx} x{concurrency} warm-up")
-                for i in range(workload.warmup):
-                    await _send(client, server, text_prompt(words, workload.seed, 1, concurrency, i), workload.gen)
-                    tick()
+                # at the level's concurrency: --warmup N >= it runs every batch size once first
+                warm = [text_prompt(words, workload.seed, 1, concurrency, i) for i in range(workload.warmup)]
+                await _level(client, server, warm, concurrency, workload.gen, tick)
                 count = workload.requests_at(concurrency)
                 texts = [text_prompt(words, workload.seed, 2, concurrency, i)
                          for i in range(count)]
