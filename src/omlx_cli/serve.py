@@ -52,7 +52,9 @@ def serve(
     def listening(_: Server) -> None:
         if not quiet:
             auth = "key required" if options.api_key else "no key"
-            print(f"omlx: listening on {where} ({auth}); loading {', '.join(options.models)}", file=sys.stderr)
+            warming = " and warming up its decode batches" if settings["server.warmup"] else ""
+            print(f"omlx: listening on {where} ({auth}); loading {', '.join(options.models)}{warming}",
+                  file=sys.stderr)
 
     server.run(on_listening=listening, on_ready=announce)
     if server.engine.load_error is not None:

@@ -34,6 +34,32 @@ IDLE_WAIT_S = 0.05
 STATS_EVERY_STEPS = 16
 
 
+WARMUP_PROMPT = [1, 2]  # token ids every vocabulary has
+WARMUP_TOKENS = 3  # decode steps of each warm-up sequence
+
+
+def warm_up(generator, max_running: int) -> int:
+    """Decode a short dummy batch of one sequence, then of `max_running`, through the
+    server's own generator before the first request: a decode step's kernels are compiled
+    (and CUDA graphs made) the first time each batch size runs, and on the H200 that made
+    the first 32 requests of a cold server wait seconds for their first token (670 tok/s
+    against 2,346 once warm, docs/benchmarks/serve-h200-qwen3-8b-shape-32-streams-*.json).
+    Returns the widest batch a decode step ran."""
+    widest = 0
+    for batch in dict.fromkeys((1, max_running)):
+        uids = set(generator.insert([list(WARMUP_PROMPT)] * batch, max_tokens=[WARMUP_TOKENS] * batch))
+        for _ in range(4 * (batch + WARMUP_TOKENS)):  # far more calls than prefill and decode take
+            if not uids:
+                break
+            _, responses = generator.next()
+            widest = max(widest, len(responses))
+            uids -= {r.uid for r in responses if r.finish_reason is not None}
+        if uids:  # never seen: a generator that drops sequences; serving still works, only colder
+            log.warning("warm-up: %d dummy sequences did not finish; removed", len(uids))
+            generator.remove(list(uids))
+    return widest
+
+
 @dataclass
 class _Sequence:
     request: Request
@@ -106,7 +132,7 @@ class Engine:
     def _run(self) -> None:
         try:
             for ref in self.registry.startup:
-                self.registry.get(ref.name)
+                self._generator(self.registry.get(ref.name))  # loads and warms it before /health says ready
         except Exception as error:  # noqa: BLE001 - reported by /health and the CLI
             log.error("loading %s failed: %s", ref.name, error)
             self.load_error = error
@@ -173,17 +199,25 @@ class Engine:
             self._samplers[key] = make_sampler(request.temperature, request.top_p, None)
         return self._samplers[key]
 
-    def _insert(self, request: Request) -> None:
+    def _generator(self, model):
+        """The model's BatchGenerator, made (and warmed up) on first use."""
         from mlx_lm.generate import BatchGenerator, StopSequences
 
-        model = self.registry.get(request.model_id)
         if model.generator is None:
-            model.generator = BatchGenerator(
+            generator = BatchGenerator(
                 model.model, completion_batch_size=self.scheduler.max_running,
                 prefill_batch_size=min(8, self.scheduler.max_running),
                 prefill_step_size=int(model.settings["prefill.chunk_size"]))
+            if model.settings["server.warmup"]:
+                warm_up(generator, self.scheduler.max_running)
+            model.generator = generator
             model.stop_sequences = StopSequences([[t] for t in model.tokenizer.eos_token_ids])
             model.no_stop = StopSequences(None)
+        return model.generator
+
+    def _insert(self, request: Request) -> None:
+        model = self.registry.get(request.model_id)
+        self._generator(model)
         prompt, prompt_cache = request.prompt, model.prompt_cache
         hit = prompt_cache.lookup(prompt)
         cached = hit.tokens

@@ -1,0 +1,51 @@
+"""The serve warm-up: dummy decode batches of 1 and max_concurrency sequences through the
+server's own generator before the first request (real tiny model, real server)."""
+
+import httpx
+import mlx.core as mx
+import pytest
+
+from conftest import omlx_env
+from omlx_core.models.testing import build_tiny_model
+from omlx_core.serve.engine import WARMUP_TOKENS, warm_up
+
+TINY = "tiny-llama"
+
+
+@pytest.fixture(scope="module")
+def tiny_home(tmp_path_factory):
+    home = tmp_path_factory.mktemp("warmup-home")
+    build_tiny_model("llama", home / "models" / TINY)
+    return home
+
+
+def test_warm_up_decodes_the_widest_batch_and_leaves_the_generator_empty(tiny_home):
+    from mlx_lm.generate import BatchGenerator
+    from mlx_lm.utils import load
+
+    model, _ = load(str(tiny_home / "models" / TINY))
+    generator = BatchGenerator(model, completion_batch_size=6, prefill_batch_size=4)
+    assert warm_up(generator, 6) == 6
+
+    (uid,) = generator.insert([[5, 6, 7]], max_tokens=[WARMUP_TOKENS + 2])
+    seen = []
+    for _ in range(20):
+        _, responses = generator.next()
+        seen += [r.uid for r in responses]
+        if any(r.finish_reason for r in responses):
+            break
+    assert seen == [uid] * (WARMUP_TOKENS + 2)  # nothing of the warm-up is left to decode
+    generator.close()
+    mx.clear_cache()
+
+
+@pytest.mark.parametrize("warmup", ["true", "false"])
+def test_the_server_answers_with_warm_up_on_and_off(start_server, tiny_home, warmup):
+    env = omlx_env(tiny_home, OMLX_SERVER_WARMUP=warmup)
+    server = start_server(tiny_home, "--model", TINY, "--max-concurrency", "4", env=env)
+    answer = httpx.post(server.url + "/v1/completions", timeout=120,
+                        json={"model": TINY, "prompt": "hello", "max_tokens": 3, "ignore_eos": True})
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["usage"]["completion_tokens"] == 3
+    metrics = httpx.get(server.url + "/metrics").text  # the warm-up's dummy tokens are not counted
+    assert f'omlx_generation_tokens_total{{model="{TINY}"}} 3.0' in metrics
