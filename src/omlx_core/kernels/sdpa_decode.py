@@ -38,8 +38,6 @@ CTAS_PER_SM = 2  # what the slices aim at (and fit an SM's registers): 8 warps, 
 MIN_KEYS = 64  # fewest keys of a slice: below this a CTA's fixed cost outweighs its reads
 MAX_SPLITS = 64  # most slices of one head (the kernel's combine holds their weights)
 REGISTERS = 65536  # an SM's 32-bit registers: CTAS_PER_SM CTAs of THREADS must fit them
-
-
 DTYPES = (mx.bfloat16, mx.float16)
 MIN_BATCH = 2  # one sequence stays on MLX's attention: cuDNN's is faster there (docs/benchmarks/attention-h200.json)
 
@@ -255,4 +253,5 @@ def generated_source(dtype: str, dim: int, group: int) -> str:
         "const float* scale", "const int32_t* starts", "const int32_t* locks", f"{dtype}* out", "float* partial"))
     return (STANDALONE_PRELUDE + header + "namespace mlx::core::cu {\n\n"
             f"__global__ void custom_kernel_omlx_sdpa_decode(\n{params}) {{\n"
-            f"  using T = {dtype};\n  constexpr int D = {dim};\n  constexpr int G = {group};\n" + body + "\n}\n\n} // namespace mlx::core::cu\n")
+            f"  using T = {dtype};\n  constexpr int D = {dim};\n  constexpr int G = {group};\n"
+            + body + "\n}\n\n} // namespace mlx::core::cu\n")
