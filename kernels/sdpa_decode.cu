@@ -140,7 +140,8 @@ __device__ __forceinline__ void decode(
                             q_strides[3])
                     : make_uint4(0, 0, 0, 0);
 #pragma unroll
-    for (int j = 0; j < D / 16; ++j) qa[j][0] = word(qp[j / 2], 2 * (j % 2)), qa[j][1] = word(qp[j / 2], 2 * (j % 2) + 1);
+    for (int j = 0; j < D / 16; ++j)
+      qa[j][0] = word(qp[j / 2], 2 * (j % 2)), qa[j][1] = word(qp[j / 2], 2 * (j % 2) + 1);
   }
 
   // P V n-tile n, column c is dim 64 (n / 8) + 8 c + n % 8: a value piece p of this thread
@@ -204,7 +205,8 @@ __device__ __forceinline__ void decode(
     const uint32_t pa0 = pack2<T>(p[0][0], p[0][1]), pa2 = pack2<T>(p[1][0], p[1][1]);
 #pragma unroll
     for (int n = 0; n < NT; ++n)
-      mma<T>(acc[n], pa0, pa2, interleave(vp[0][n / 8], vp[1][n / 8], n % 8), interleave(vp[2][n / 8], vp[3][n / 8], n % 8));
+      mma<T>(acc[n], pa0, pa2, interleave(vp[0][n / 8], vp[1][n / 8], n % 8),
+             interleave(vp[2][n / 8], vp[3][n / 8], n % 8));
   }
   l += __shfl_xor_sync(0xffffffffu, l, 1);
   l += __shfl_xor_sync(0xffffffffu, l, 2);
@@ -278,7 +280,8 @@ __device__ __forceinline__ void decode(
     const int h = idx / D, d = idx % D;
     float o = 0.0f;
 #pragma unroll 8
-    for (int s = 0; s < splits; ++s) o = fmaf(__ldcg(partial + (s * rows + first_row + h) * (D + 2) + d), split_weight[s][h], o);
+    for (int s = 0; s < splits; ++s)
+      o = fmaf(__ldcg(partial + (s * rows + first_row + h) * (D + 2) + d), split_weight[s][h], o);
     out[(first_row + h) * D + d] = from_float<T>(o / row_sum[h]);
   }
   if (tid == 0) atomicExch(const_cast<int32_t*>(locks) + head, 0);

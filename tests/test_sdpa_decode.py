@@ -103,7 +103,8 @@ def test_benchmark_exactness_check_passes_mlx_and_fails_a_wrong_attention():
         return attention.mlx_attention(q, k, v, scale)
 
     assert attention.run_exact(stale_by_one, cases=cases, poison=False)["failed"] == 3
-    assert attention.run_exact(padding_ignored, cases=cases, poison=False)["failed"] == 1  # only the padded case differs
+    # only the padded case differs
+    assert attention.run_exact(padding_ignored, cases=cases, poison=False)["failed"] == 1
 
 
 # -- installed in models (the kernel mocked: MLX's CUDA backend cannot exist here) ----------

@@ -12,8 +12,9 @@ on the H200 (docs/benchmarks/decode-h200-profile-grouped.json). This measures, i
          the largest output)
   greedy 64-token greedy decode of a tiny fp16 llama (head size 64, 2 query heads per
          key/value head; 4-bit g64) from a 9-token prompt, stock against sdpa_decode
-         installed, on KVCache (two prompts) and on BatchKVCache with left padding: identical tokens, or
-         a first difference at a near tie of the stock run (top two logits within one ulp)
+         installed, on KVCache (two prompts) and on BatchKVCache with left padding:
+         identical tokens, or a first difference at a near tie of the stock run (top two
+         logits within one ulp)
   time   GPU time per call, chained in one CUDA graph, K/V of distinct layers (several
          times the L2 cache): MLX without a mask (cuDNN's decode path, as mlx-lm's KVCache
          decodes), MLX with an additive mask (its vector kernel, as `omlx serve`'s
@@ -161,9 +162,10 @@ def fp32_launch(q, k, v, scale, starts, locks):
 
 
 def run_greedy(workdir: Path, count: int = 64) -> list[dict]:
-    """Stock against installed, on a plain cache (two sequences: one stays on MLX's
-    attention, MIN_BATCH) and a left-padded batch cache (the prompt, and the same prompt shifted by 4 tokens of padding), an fp16 tiny
-    llama (bf16 logits of a random model tie too often). They agree when the tokens are
+    """Stock against installed, on a plain cache (two sequences: a single one would stay
+    on MLX's attention, MIN_BATCH) and a left-padded batch cache (the prompt, and the same
+    prompt shifted by 4 tokens of padding), an fp16 tiny llama (bf16 logits of a random
+    model tie too often). They agree when the tokens are
     identical or first differ at a near tie of the stock run, which rounding alone decides;
     where they differ, a third run with an fp32 attention in the kernel's place shows
     whether exact attention sides with either."""
@@ -174,7 +176,8 @@ def run_greedy(workdir: Path, count: int = 64) -> list[dict]:
 
     path = workdir / "attention-greedy-llama-d64-fp16"
     if not (path / "config.json").is_file():
-        build_tiny_model("llama", path, quantized=True, bits=4, group_size=64, dtype="float16", shape=GREEDY_SHAPE)
+        build_tiny_model("llama", path, quantized=True, bits=4, group_size=64, dtype="float16",
+                         shape=GREEDY_SHAPE)
     model, _ = load(str(path))
     prompt = list(GREEDY_PROMPT)
     padded = mx.array([prompt, [0] * 4 + prompt[:-4]], dtype=mx.int32)
@@ -187,8 +190,8 @@ def run_greedy(workdir: Path, count: int = 64) -> list[dict]:
     for name, (make, prompts) in runs.items():
         before = sum(modules[p].kernel_calls for p in paths)
         ours, _ = greedy_run(model, make(), prompts, count)
-        row = {"cache": name, "tokens": count, "identical": ours == stock[name][0],
-               "agrees": ours == stock[name][0], "kernel_calls": sum(modules[p].kernel_calls for p in paths) - before}
+        row = {"cache": name, "tokens": count, "identical": ours == stock[name][0], "agrees": ours == stock[name][0],
+               "kernel_calls": sum(modules[p].kernel_calls for p in paths) - before}
         if not row["identical"]:
             kernel, sdpa_decode.launch = sdpa_decode.launch, fp32_launch
             try:
@@ -199,9 +202,11 @@ def run_greedy(workdir: Path, count: int = 64) -> list[dict]:
             row.update(agrees=all(d is None or d["near_tie"] for d in differs), differs=differs,
                        ours_matches_fp32=ours == exact, stock_matches_fp32=stock[name][0] == exact)
         rows.append(row)
-        log(f"greedy {name}: identical={row['identical']} agrees={row['agrees']} ({row['kernel_calls']} kernel calls)"
-            + ("" if row["identical"] else f"; differs {row['differs']}, ours as fp32 attention "
-               f"{row['ours_matches_fp32']}, stock as fp32 attention {row['stock_matches_fp32']}"))
+        detail = "" if row["identical"] else (
+            f"; differs {row['differs']}, ours as fp32 attention {row['ours_matches_fp32']}, "
+            f"stock as fp32 attention {row['stock_matches_fp32']}")
+        log(f"greedy {name}: identical={row['identical']} agrees={row['agrees']} "
+            f"({row['kernel_calls']} kernel calls){detail}")
     return rows
 
 
@@ -272,7 +277,8 @@ def main() -> None:
     for part in parts:
         start = time.perf_counter()
         if part == "exact":
-            result["exact"] = run_exact(mlx_attention if args.reference else kernel_attention, poison=not args.reference)
+            result["exact"] = run_exact(mlx_attention if args.reference else kernel_attention,
+                                        poison=not args.reference)
         elif part == "greedy":
             Path(args.workdir).mkdir(parents=True, exist_ok=True)
             result["greedy"] = run_greedy(Path(args.workdir))
