@@ -59,10 +59,18 @@ __device__ __forceinline__ uint4 load_stream(const uint32_t* p) {
 // Two 4-bit values (nibbles `shift/4` and `shift/4 + 4` of `word`) as scale * q + bias,
 // in the activation type: the nibbles land in the mantissa of `magic`, subtracting it is
 // exact, and the fused multiply-add rounds once.
+// (a & mask) | bits as one LOP3: written in C, ptxas splits it in two (one instruction
+// takes one immediate operand, and this expression has two constants).
+__device__ __forceinline__ uint32_t and_or(uint32_t a, uint32_t mask, uint32_t bits) {
+  uint32_t d;
+  asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(d) : "r"(a), "r"(mask), "r"(bits));
+  return d;
+}
+
 template <typename T>
 __device__ __forceinline__ uint32_t dequant4(uint32_t word, int shift, uint32_t scale2, uint32_t bias2) {
   using T2 = typename Pair<T>::type;
-  uint32_t q = ((word >> shift) & 0x000F000Fu) | Pair<T>::magic;
+  const uint32_t q = and_or(word >> shift, 0x000F000Fu, Pair<T>::magic);
   T2 v = __hsub2(pair_of<T2>(q), pair_of<T2>(Pair<T>::magic));
   return bits_of(__hfma2(v, pair_of<T2>(scale2), pair_of<T2>(bias2)));
 }
@@ -103,17 +111,22 @@ __device__ __forceinline__ void mma<__half>(float* c, const uint32_t* a, uint32_
 //   NT  token tiles of 8 (M <= 8 * NT)      R   16-row tiles per warp
 //   WR  warps along N in a CTA              WK  warps along K in a CTA
 //   U   128-input blocks loaded per round   KC  most inputs of one CTA's K slice (smem)
-// Launch: blockDim.x = 32 * WR * WK; gridDim.x = ceil(N / (16 * R * WR)); gridDim.y = the
-// split of K across CTAs (every slice at most KC inputs); dynamic shared memory
-// max(8 * NT * KC * 2, 8 * NT * (16 * R * WR + 4) * 4) bytes. K is a multiple of 32 and
-// of GS. When gridDim.y > 1, `locks` holds gridDim.x zeros and is left zero and `partial`
-// holds gridDim.y * M * N floats; with one slice per row tile neither is touched (null).
-// `tile` is this CTA's column of row tiles (blockIdx.x, or its place in a segment).
+//   CT  column tiles (16 * R * WR rows each) one CTA computes, one after another
+// Launch: blockDim.x = 32 * WR * WK; gridDim.x = ceil(ceil(N / (16 * R * WR)) / CT);
+// gridDim.y = the split of K across CTAs (every slice at most KC inputs); dynamic shared
+// memory: staged = 8 * NT * KC * 2 bytes of x, reduced = 8 * NT * (16 * R * WR + 4) * 4
+// bytes for the sums; max(staged, reduced) when CT = 1 (the sums reuse x's place),
+// staged + reduced otherwise. K is a multiple of 32 and of GS. When gridDim.y > 1, `locks`
+// holds one zero per column tile and is left zero and `partial` holds gridDim.y * M * N
+// floats; with one slice per column tile neither is touched (null).
+// `tile` is the column tile computed (its place in its segment); `stage`: copy this CTA's
+// slice of x to shared memory first (the first tile of the CTA; the others reuse it);
+// `red`: the shared buffer of the sums.
 template <typename T, int BITS, int GS, int NT, int R, int WR, int WK, int U, int KC>
 __device__ __forceinline__ void qmm_decode(
     const T* __restrict__ x, const uint32_t* __restrict__ w, const T* __restrict__ scales,
     const T* __restrict__ biases, const int32_t* locks, T* __restrict__ out,
-    float* __restrict__ partial, int M, int K, int N, int tile) {
+    float* __restrict__ partial, int M, int K, int N, int tile, bool stage, float* red) {
   static_assert(BITS == 4 || BITS == 8, "4 or 8 bits");
   static_assert(GS == 32 || GS == 64 || GS == 128, "group size 32, 64 or 128");
   static_assert(KC % 128 == 0, "K slices are whole 128-input blocks");
@@ -184,28 +197,33 @@ __device__ __forceinline__ void qmm_decode(
   // the tokens fill their tiles of 8 each store of 8 threads fills 128 contiguous bytes: no
   // bank conflicts, where the order of x itself (its rows 2 KB apart) put four threads on
   // each bank (on the H200 this measured neutral: docs/benchmarks/decode-h200-staging.json).
-  // Loads go out in batches of SU, so their latencies overlap instead of adding up. Copying
-  // with cp.async instead (every unit in flight at once, reordered in place) was slower at
-  // every layer of 16-64 tokens there.
-  {
+  // The tokens are counted up to a power of two, so a unit's place is shifts and masks: a
+  // division by M cost more instructions than the copy itself (at 32 tokens the staging
+  // was 45% of the kernel's instructions). Loads go out in batches of SU, so their
+  // latencies overlap instead of adding up. Copying with cp.async instead (every unit in
+  // flight at once, reordered in place) was slower at every layer of 16-64 tokens there.
+  // Later tiles of the CTA find x staged already.
+  if (stage) {
     constexpr int SU = 32 * WR * WK >= 256 ? 2 : 8;  // within the register budget of the launch bounds
+    const int lg = M > 1 ? 32 - __clz(M - 1) : 0;  // log2 of the token slots
     const int k0 = first * 128;
-    const int units = M * per_cta * 16;
+    const int units = (per_cta * 16) << lg;
     for (int base = threadIdx.x; base < units; base += SU * blockDim.x) {
       uint4 v[SU];
 #pragma unroll
       for (int u = 0; u < SU; ++u) {
         const int idx = base + u * blockDim.x;
-        const int rest = idx >> 2, m = rest % M, chunk = rest / M;  // chunk: 4 * block + j
+        const int m = (idx >> 2) & ((1 << lg) - 1), chunk = idx >> (2 + lg);  // chunk: 4 * block + j
         const int k = k0 + (chunk >> 2) * 128 + (idx & 3) * 32 + (chunk & 3) * 8;
         v[u] = make_uint4(0, 0, 0, 0);
-        if (idx < units && k < K) v[u] = *reinterpret_cast<const uint4*>(x + (size_t)m * K + k);
+        if (idx < units && m < M && k < K) v[u] = *reinterpret_cast<const uint4*>(x + (size_t)m * K + k);
       }
 #pragma unroll
       for (int u = 0; u < SU; ++u) {
         const int idx = base + u * blockDim.x;
+        const int m = (idx >> 2) & ((1 << lg) - 1), chunk = idx >> (2 + lg);
         if (idx >= units) break;
-        const int rest = idx >> 2, m = rest % M, chunk = rest / M;
+        if (m >= M) continue;
         uint4 p;
         p.x = __byte_perm(v[u].x, v[u].z, 0x5410);
         p.y = __byte_perm(v[u].x, v[u].z, 0x7632);
@@ -292,7 +310,6 @@ __device__ __forceinline__ void qmm_decode(
 
   // Reduce the K-warps in a fixed order: [token][channel] floats in shared memory.
   __syncthreads();
-  float* red = reinterpret_cast<float*>(smem);
   for (int step = 0; step < WK; ++step) {
     if (wk == step) {
 #pragma unroll
@@ -347,37 +364,48 @@ __device__ __forceinline__ void qmm_decode(
 }
 
 // S linears of one input in one launch (q/k/v, or gate/up): segment s has its own weights,
-// scales, biases, N[s] rows and output. The grid's columns are the segments' row tiles one
-// after another; a CTA computes the tile it falls on, with that segment's counters (the
-// segments' tiles follow each other in `locks`) and partials (gridDim.y * M * N[s] floats
-// each, one after another). One launch instead of S: a decode step pays the host for
-// every launch, and each launch's ramp and tail on the GPU.
-template <typename T, int BITS, int GS, int NT, int R, int WR, int WK, int U, int KC, int S>
+// scales, biases, N[s] rows and output. The column tiles are the segments' tiles one after
+// another; CTA b computes tiles CT * b .. CT * b + CT - 1 (each with its segment's counters,
+// the segments' tiles following each other in `locks`, and its partials, gridDim.y * M *
+// N[s] floats per segment, one after another), from the one copy of x staged by its first
+// tile. One launch instead of S: a decode step pays the host for every launch, and each
+// launch's ramp and tail on the GPU. Several tiles per CTA: x is staged once for all of
+// them (at 32 tokens it is 8 times the bytes of the weights it multiplies in one tile).
+template <typename T, int BITS, int GS, int NT, int R, int WR, int WK, int U, int KC, int S, int CT>
 __device__ __forceinline__ void qmm_decode_segments(
     const T* __restrict__ x, const uint32_t* const (&w)[S], const T* const (&scales)[S],
     const T* const (&biases)[S], const int (&N)[S], const int32_t* locks, T* const (&out)[S],
     float* partial, int M, int K) {
   constexpr int BN = 16 * R * WR;
-  // Every index below is a constant once unrolled: the pointers stay in registers.
-  int tile = blockIdx.x;
-  const uint32_t* ws = w[0];
-  const T *ss = scales[0], *bs = biases[0];
-  T* os = out[0];
-  int n = N[0];
-  bool found = false;
+  extern __shared__ uint4 smem[];
+  // The sums reuse x's place when x is staged for one tile only.
+  float* red = reinterpret_cast<float*>(CT == 1 ? smem : smem + NT * KC);
+#pragma unroll 1
+  for (int c = 0; c < CT; ++c) {
+    // Every index below is a constant once unrolled: the pointers stay in registers.
+    int tile = blockIdx.x * CT + c;
+    const int32_t* lk = locks;
+    float* part = partial;
+    const uint32_t* ws = w[0];
+    const T *ss = scales[0], *bs = biases[0];
+    T* os = out[0];
+    int n = N[0];
+    bool found = false;
 #pragma unroll
-  for (int i = 0; i < S; ++i) {
-    const int tiles = (N[i] + BN - 1) / BN;
-    if (!found && (i + 1 == S || tile < tiles)) {
-      found = true;
-      ws = w[i], ss = scales[i], bs = biases[i], os = out[i], n = N[i];
-    } else if (!found) {
-      tile -= tiles;
-      if (locks != nullptr) locks += tiles;
-      if (partial != nullptr) partial += (size_t)gridDim.y * M * N[i];
+    for (int i = 0; i < S; ++i) {
+      const int tiles = (N[i] + BN - 1) / BN;
+      if (!found && tile < tiles) {
+        found = true;
+        ws = w[i], ss = scales[i], bs = biases[i], os = out[i], n = N[i];
+      } else if (!found) {
+        tile -= tiles;
+        if (lk != nullptr) lk += tiles;
+        if (part != nullptr) part += (size_t)gridDim.y * M * N[i];
+      }
     }
+    if (!found) return;  // the last CTA's tiles past the end (the same for all its threads)
+    qmm_decode<T, BITS, GS, NT, R, WR, WK, U, KC>(x, ws, ss, bs, lk, os, part, M, K, n, tile, c == 0, red);
   }
-  qmm_decode<T, BITS, GS, NT, R, WR, WK, U, KC>(x, ws, ss, bs, locks, os, partial, M, K, n, tile);
 }
 
 }  // namespace omlx_qmm

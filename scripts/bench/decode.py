@@ -7,7 +7,8 @@ barely helps; omlx's `qmm_decode` kernel (kernels/qmm_decode.cu) and the dense-c
 
   exact    the kernel against mx.quantized_matmul: 4/8 bits x group 32/64/128, bf16 (and
            fp16), odd N, K not a multiple of the 128-input tile, 1..64 tokens; the check
-           is max |ours - mlx| / max |mlx| <= 1/128 (two bf16 roundings of the largest output)
+           is max |ours - mlx| / max |mlx| <= 1/128 (two bf16 roundings of the largest output);
+           --sweep (or a run without --quick) also checks every launch shape of SWEEP
   greedy   64-token greedy decode of tiny llama and qwen3_5 models, stock against the
            kernel installed: identical tokens
   margins  whether greedy differences are near-ties: 8 fixed prompts x tiny llama and
@@ -161,9 +162,9 @@ def exact_row(matmul, layer, bits, group, dtype, k, n, m, with_mlx: bool, **opti
     return checked(matmul(x, *layer, group, bits, **options), x, layer, bits, group, with_mlx)
 
 
-def run_exact(matmul, cases=None, quick: bool = False) -> dict:
+def run_exact(matmul, cases=None, quick: bool = False, sweep: bool = False) -> dict:
     """`quick`: MLX's result only below 8 tokens (its precompiled kernel), the fp32 result
-    everywhere; no sweep of launch shapes."""
+    everywhere; no sweep of launch shapes unless `sweep` (then against those results too)."""
     rows = []
     for bits, group, dtype, k, n, counts in cases or exact_cases(quick):
         layer = quantized_layer(k, n, bits, group, dtype, seed=bits * 1000 + group + n)
@@ -172,13 +173,14 @@ def run_exact(matmul, cases=None, quick: bool = False) -> dict:
             rows.append(exact_row(matmul, layer, bits, group, dtype, k, n, m, with_mlx=not quick or m < 8))
             log(f"exact {bits}-bit g{group} {k}x{n} M={m}: rel {rows[-1]['rel_max']:.2e} "
                 f"ok={rows[-1]['ok']} ({time.perf_counter() - start:.1f} s)")
-    sweep = matmul is qmm_decode.quantized_matmul_decode and not quick  # the shapes the kernels part times
+    sweep = matmul is qmm_decode.quantized_matmul_decode and (sweep or not quick)  # the shapes the sweep times
     for config in {c for m in (1, 9, 17, 33) for c in sweep_configs(m)} if sweep else ():
         for ctas in CTAS:
             for k, n in ((1088, 1001), (4096, 4096)):
                 layer = quantized_layer(k, n, 4, 64, seed=n)
                 for m in {1, 8 * config.tiles - 5, 8 * config.tiles}:
-                    row = exact_row(matmul, layer, 4, 64, mx.bfloat16, k, n, m, True, config=config, ctas=ctas)
+                    row = exact_row(matmul, layer, 4, 64, mx.bfloat16, k, n, m, not quick or m < 8, config=config,
+                                    ctas=ctas)
                     rows.append({**row, "config": config.__dict__ | {"ctas": ctas}})
     if matmul is qmm_decode.quantized_matmul_decode:
         rows += grouped_rows(quick)
@@ -432,7 +434,8 @@ def variants(layers, dense, locks, configs=(), with_mlx: bool = True):
 
 def config_label(config) -> str:
     c = config
-    return f"t{c.tiles} r{c.rows} n{c.warps_n} k{c.warps_k} u{c.rounds} c{c.slice_k} o{c.occupancy} ctas{c.ctas}"
+    return (f"t{c.tiles} r{c.rows} n{c.warps_n} k{c.warps_k} u{c.rounds} c{c.slice_k} o{c.occupancy}"
+            + (f" x{c.column_tiles}" if c.column_tiles > 1 else "") + f" ctas{c.ctas}")
 
 
 def bandwidth(nbytes: int, seconds: float) -> float:
@@ -494,23 +497,26 @@ def layers_child(tokens, repeats: int, quick: bool, sweep: bool, out: Path, call
 
 # -- kernels (GPU time per kernel under ncu) ------------------------------------------------
 
-SWEEP = {  # (R, WR, WK, U, KC, occupancy) per token bucket; the default (DEFAULTS) is first
+SWEEP = {  # (R, WR, WK, U, KC, occupancy[, CT]) per token bucket; the default (DEFAULTS) is first
     1: [(1, 2, 4, 2, 4096, 3), (1, 8, 1, 2, 1024, 2), (1, 8, 1, 1, 1024, 4), (1, 4, 2, 2, 2048, 2),
-        (2, 4, 1, 1, 1024, 2), (1, 8, 1, 2, 2048, 2), (2, 8, 1, 2, 1024, 2), (1, 8, 1, 4, 1024, 2)],
+        (2, 4, 1, 1, 1024, 2), (1, 8, 1, 2, 2048, 2), (2, 8, 1, 2, 1024, 2), (1, 8, 1, 4, 1024, 2),
+        (1, 8, 1, 2, 1024, 2, 2)],
     2: [(1, 4, 2, 2, 1024, 2), (2, 2, 2, 1, 1024, 3), (1, 8, 1, 1, 1024, 2), (2, 4, 1, 1, 1024, 2),
-        (1, 8, 1, 1, 2048, 2), (2, 4, 1, 1, 2048, 2)],
+        (1, 8, 1, 1, 2048, 2), (2, 4, 1, 1, 2048, 2), (1, 4, 2, 2, 1024, 2, 2), (1, 4, 2, 1, 1024, 3, 4),
+        (2, 4, 1, 1, 1024, 2, 2)],
     4: [(1, 4, 2, 1, 1024, 3), (2, 2, 2, 1, 1024, 3), (2, 4, 1, 1, 512, 3), (1, 8, 1, 1, 512, 2),
-        (2, 8, 1, 1, 512, 1), (2, 4, 1, 1, 512, 2), (2, 4, 2, 1, 1024, 2), (1, 8, 1, 1, 1024, 2),
-        (2, 4, 1, 1, 1024, 2), (1, 8, 2, 1, 1024, 1), (1, 4, 2, 1, 2048, 1)],
+        (2, 4, 1, 1, 1024, 2), (1, 4, 2, 1, 1024, 2, 2), (1, 4, 2, 1, 1024, 2, 4), (1, 4, 2, 1, 512, 3, 4),
+        (2, 4, 1, 1, 512, 2, 2), (2, 4, 1, 1, 1024, 2, 2), (1, 8, 1, 1, 512, 2, 2), (2, 2, 2, 1, 1024, 2, 2)],
     8: [(1, 8, 1, 1, 512, 2), (1, 4, 1, 1, 512, 3), (2, 4, 1, 1, 512, 2), (1, 4, 2, 1, 512, 2),
-        (2, 2, 2, 1, 512, 2), (2, 8, 1, 1, 512, 1), (1, 8, 1, 1, 1024, 1), (1, 8, 2, 1, 512, 1)],
+        (1, 8, 1, 1, 1024, 1), (1, 8, 1, 1, 512, 2, 2), (1, 4, 2, 1, 512, 2, 2), (2, 4, 1, 1, 512, 2, 2),
+        (1, 4, 1, 1, 512, 3, 4)],
 }
 CTAS = (qmm_decode.SMS, qmm_decode.SMS * 2, qmm_decode.SMS * 4)
 
 
 def sweep_configs(m: int) -> list:
     tiles = qmm_decode.tiles_for(m)
-    return [qmm_decode.Config(tiles, r, wn, wk, u, kc, occupancy=o) for r, wn, wk, u, kc, o in SWEEP[tiles]]
+    return [qmm_decode.config_of(tiles, shape) for shape in SWEEP[tiles]]
 
 
 def kernel_blocks(tokens, quick: bool = False) -> list[dict]:
@@ -1002,7 +1008,7 @@ def main() -> None:
         start = time.perf_counter()
         try:
             if part == "exact":
-                result["exact"] = run_exact(matmul, quick=args.quick)
+                result["exact"] = run_exact(matmul, quick=args.quick, sweep=args.sweep)
             elif part == "greedy":
                 result["greedy"] = run_greedy(args.matmul, workdir, quick=args.quick)
             elif part == "margins":

@@ -67,6 +67,7 @@ class Config:
     slice_k: int  # KC: most inputs of one CTA's slice of K
     ctas: int = SMS  # the split of K aims at least at this many CTAs
     occupancy: int = 4  # most CTAs an SM holds: the register budget of the launch bounds
+    column_tiles: int = 1  # CT: column tiles one CTA computes from one staged copy of x
 
     @property
     def threads(self) -> int:
@@ -78,9 +79,14 @@ class Config:
 
     @property
     def shared_bytes(self) -> int:
+        """Staged x and the sums: one place for both when a CTA computes one column tile."""
         staged = 8 * self.tiles * self.slice_k * 2
         reduced = 8 * self.tiles * (self.block_n + 4) * 4
-        return max(staged, reduced)
+        return max(staged, reduced) if self.column_tiles == 1 else staged + reduced
+
+    def columns(self, *ns: int) -> int:
+        """CTAs along N for linears of `ns` outputs launched together."""
+        return math.ceil(sum(math.ceil(n / self.block_n) for n in ns) / self.column_tiles)
 
     @property
     def per_sm(self) -> int:
@@ -93,19 +99,20 @@ class Config:
         the layer has enough blocks for every K-warp."""
         blocks = math.ceil(k / 128)
         fit = math.ceil(blocks / (self.slice_k // 128))
-        wanted = math.ceil(self.ctas / math.ceil(n / self.block_n))
+        wanted = math.ceil(self.ctas / self.columns(n))
         return max(fit, min(wanted, max(1, blocks // self.warps_k)))
 
     def name(self, dtype: mx.Dtype, bits: int, group_size: int) -> str:
         return (f"omlx_qmm_{SHORT[dtype]}_b{bits}_g{group_size}_t{self.tiles}_r{self.rows}"
-                f"_n{self.warps_n}_k{self.warps_k}_u{self.rounds}_c{self.slice_k}_o{self.per_sm}")
+                f"_n{self.warps_n}_k{self.warps_k}_u{self.rounds}_c{self.slice_k}_o{self.per_sm}"
+                + (f"_x{self.column_tiles}" if self.column_tiles > 1 else ""))
 
 
 def tiles_for(tokens: int) -> int:
     return 1 if tokens <= 8 else 2 if tokens <= 16 else 4 if tokens <= 32 else 8
 
 
-# The launch shape of each token bucket (tiles of 8 tokens): (R, WR, WK, U, KC, occupancy), the
+# The launch shape of each token bucket (tiles of 8 tokens): (R, WR, WK, U, KC, occupancy[, CT]), the
 # fastest of SWEEP in scripts/bench/decode.py by GPU time of the three Qwen3-8B layer shapes
 # chained in one CUDA graph, weighted as a decoder layer uses them (docs/benchmarks/decode-h200-layers-sweep.json;
 # the sweep of the current kernel, with 10 more candidates for 9-64 tokens, kept every one of them:
@@ -119,10 +126,16 @@ def default_config(tokens: int, bits: int) -> Config:
     them. 8-bit weights take twice the registers per block, so they load one block a round
     and keep at most two CTAs an SM (three would spill at 17-32 tokens)."""
     tiles = tiles_for(tokens)
-    rows, warps_n, warps_k, rounds, slice_k, occupancy = DEFAULTS[tiles]
+    return config_of(tiles, DEFAULTS[tiles], bits)
+
+
+def config_of(tiles: int, shape: tuple, bits: int = 4) -> Config:
+    """The Config of a launch shape (R, WR, WK, U, KC, occupancy[, CT]) for `tiles` token tiles."""
+    rows, warps_n, warps_k, rounds, slice_k, occupancy, *rest = shape
     if bits == 8:
         rounds, occupancy = 1, min(occupancy, 2)
-    return Config(tiles, rows, warps_n, warps_k, rounds, slice_k, occupancy=occupancy)
+    return Config(tiles, rows, warps_n, warps_k, rounds, slice_k, occupancy=occupancy,
+                  column_tiles=rest[0] if rest else 1)
 
 
 def supported(x_dtype: mx.Dtype, scales_dtype: mx.Dtype, bits: int, group_size: int, mode: str = "affine") -> str:
@@ -183,7 +196,7 @@ def body(config: Config, dtype: mx.Dtype, bits: int, group_size: int, split: boo
             f"const int ns[] = {{{', '.join(f'{name}_shape[0]' for name in w)}}};\n"
             f"{t}* os[] = {{{', '.join(out)}}};\n"
             f"omlx_qmm::qmm_decode_segments<{t}, {bits}, {group_size}, {c.tiles}, {c.rows}, {c.warps_n}, "
-            f"{c.warps_k}, {c.rounds}, {c.slice_k}, {segments}>(x, ws, ss, bs, ns, "
+            f"{c.warps_k}, {c.rounds}, {c.slice_k}, {segments}, {c.column_tiles}>(x, ws, ss, bs, ns, "
             f"{'locks' if split else 'nullptr'}, os, {'partial' if split else 'nullptr'}, M, x_shape[x_ndim - 1]);")
 
 
@@ -303,9 +316,8 @@ def launch_for(ns: tuple, k: int, tokens: int, dtype: mx.Dtype, bits: int, group
         raise OmlxError(f"qmm_decode: config for {8 * config.tiles} tokens given {tokens}")
     splits = config.splits(sum(ns), k)
     split = splits > 1
-    columns = sum(math.ceil(n / config.block_n) for n in ns)
     return Launch(_kernel(config, dtype, bits, group_size, split, len(ns)),
-                  (columns * config.threads, splits, 1), (config.threads, 1, 1), tuple((n,) for n in ns),
+                  (config.columns(*ns) * config.threads, splits, 1), (config.threads, 1, 1), tuple((n,) for n in ns),
                   [dtype] * len(ns) + ([mx.float32] if split else []), splits * tokens * sum(ns) if split else 0)
 
 
