@@ -112,6 +112,7 @@ __device__ __forceinline__ void mma<__half>(float* c, const uint32_t* a, uint32_
 //   WR  warps along N in a CTA              WK  warps along K in a CTA
 //   U   128-input blocks loaded per round   KC  most inputs of one CTA's K slice (smem)
 //   CT  column tiles (16 * R * WR rows each) one CTA computes, one after another
+//   SL  16-byte loads of x a thread has in flight while staging
 // Launch: blockDim.x = 32 * WR * WK; gridDim.x = ceil(ceil(N / (16 * R * WR)) / CT);
 // gridDim.y = the split of K across CTAs (every slice at most KC inputs); dynamic shared
 // memory: staged = 8 * NT * KC * 2 bytes of x, reduced = 8 * NT * (16 * R * WR + 4) * 4
@@ -122,7 +123,7 @@ __device__ __forceinline__ void mma<__half>(float* c, const uint32_t* a, uint32_
 // `tile` is the column tile computed (its place in its segment); `stage`: copy this CTA's
 // slice of x to shared memory first (the first tile of the CTA; the others reuse it);
 // `red`: the shared buffer of the sums.
-template <typename T, int BITS, int GS, int NT, int R, int WR, int WK, int U, int KC>
+template <typename T, int BITS, int GS, int NT, int R, int WR, int WK, int U, int KC, int SL>
 __device__ __forceinline__ void qmm_decode(
     const T* __restrict__ x, const uint32_t* __restrict__ w, const T* __restrict__ scales,
     const T* __restrict__ biases, const int32_t* locks, T* __restrict__ out,
@@ -199,19 +200,20 @@ __device__ __forceinline__ void qmm_decode(
   // each bank (on the H200 this measured neutral: docs/benchmarks/decode-h200-staging.json).
   // The tokens are counted up to a power of two, so a unit's place is shifts and masks: a
   // division by M cost more instructions than the copy itself (at 32 tokens the staging
-  // was 45% of the kernel's instructions). Loads go out in batches of SU, so their
-  // latencies overlap instead of adding up. Copying with cp.async instead (every unit in
+  // was 45% of the kernel's instructions). Loads go out in batches of SL, so their
+  // latencies overlap instead of adding up: x comes from L2, and at 32 tokens a thread
+  // copies 16 units; in batches of 2 the wait for them was a quarter of the kernel's time
+  // (Nsight Compute's stall samples on the H200). Copying with cp.async instead (every unit in
   // flight at once, reordered in place) was slower at every layer of 16-64 tokens there.
   // Later tiles of the CTA find x staged already.
   if (stage) {
-    constexpr int SU = 32 * WR * WK >= 256 ? 2 : 8;  // within the register budget of the launch bounds
     const int lg = M > 1 ? 32 - __clz(M - 1) : 0;  // log2 of the token slots
     const int k0 = first * 128;
     const int units = (per_cta * 16) << lg;
-    for (int base = threadIdx.x; base < units; base += SU * blockDim.x) {
-      uint4 v[SU];
+    for (int base = threadIdx.x; base < units; base += SL * blockDim.x) {
+      uint4 v[SL];
 #pragma unroll
-      for (int u = 0; u < SU; ++u) {
+      for (int u = 0; u < SL; ++u) {
         const int idx = base + u * blockDim.x;
         const int m = (idx >> 2) & ((1 << lg) - 1), chunk = idx >> (2 + lg);  // chunk: 4 * block + j
         const int k = k0 + (chunk >> 2) * 128 + (idx & 3) * 32 + (chunk & 3) * 8;
@@ -219,7 +221,7 @@ __device__ __forceinline__ void qmm_decode(
         if (idx < units && m < M && k < K) v[u] = *reinterpret_cast<const uint4*>(x + (size_t)m * K + k);
       }
 #pragma unroll
-      for (int u = 0; u < SU; ++u) {
+      for (int u = 0; u < SL; ++u) {
         const int idx = base + u * blockDim.x;
         const int m = (idx >> 2) & ((1 << lg) - 1), chunk = idx >> (2 + lg);
         if (idx >= units) break;
@@ -355,8 +357,20 @@ __device__ __forceinline__ void qmm_decode(
   for (int idx = threadIdx.x; idx < M * BN; idx += blockDim.x) {
     const int m = idx / BN, c = idx - m * BN;
     if (c < width) {
+      // The slices in order, four loads in flight at a time.
+      const float* p = partial + (size_t)m * N + col0 + c;
+      const size_t stride = (size_t)M * N;
       float sum = 0.0f;
-      for (int s = 0; s < splits; ++s) sum += __ldcg(partial + ((size_t)s * M + m) * N + col0 + c);
+      int s = 0;
+      for (; s + 4 <= splits; s += 4) {
+        const float a = __ldcg(p + s * stride), b = __ldcg(p + (s + 1) * stride);
+        const float d = __ldcg(p + (s + 2) * stride), e = __ldcg(p + (s + 3) * stride);
+        sum += a;
+        sum += b;
+        sum += d;
+        sum += e;
+      }
+      for (; s < splits; ++s) sum += __ldcg(p + s * stride);
       out[(size_t)m * N + col0 + c] = from_float<T>(sum);
     }
   }
@@ -371,7 +385,7 @@ __device__ __forceinline__ void qmm_decode(
 // tile. One launch instead of S: a decode step pays the host for every launch, and each
 // launch's ramp and tail on the GPU. Several tiles per CTA: x is staged once for all of
 // them (at 32 tokens it is 8 times the bytes of the weights it multiplies in one tile).
-template <typename T, int BITS, int GS, int NT, int R, int WR, int WK, int U, int KC, int S, int CT>
+template <typename T, int BITS, int GS, int NT, int R, int WR, int WK, int U, int KC, int S, int CT, int SL>
 __device__ __forceinline__ void qmm_decode_segments(
     const T* __restrict__ x, const uint32_t* const (&w)[S], const T* const (&scales)[S],
     const T* const (&biases)[S], const int (&N)[S], const int32_t* locks, T* const (&out)[S],
@@ -404,7 +418,7 @@ __device__ __forceinline__ void qmm_decode_segments(
       }
     }
     if (!found) return;  // the last CTA's tiles past the end (the same for all its threads)
-    qmm_decode<T, BITS, GS, NT, R, WR, WK, U, KC>(x, ws, ss, bs, lk, os, part, M, K, n, tile, c == 0, red);
+    qmm_decode<T, BITS, GS, NT, R, WR, WK, U, KC, SL>(x, ws, ss, bs, lk, os, part, M, K, n, tile, c == 0, red);
   }
 }
 

@@ -68,6 +68,12 @@ class Config:
     ctas: int = SMS  # the split of K aims at least at this many CTAs
     occupancy: int = 4  # most CTAs an SM holds: the register budget of the launch bounds
     column_tiles: int = 1  # CT: column tiles one CTA computes from one staged copy of x
+    stage_loads: int = 0  # SL: x loads a thread has in flight while staging (0: by block size)
+
+    @property
+    def loads_in_flight(self) -> int:
+        """SL: as given, else 2 for blocks of 256+ threads (the register budget) and 8 below."""
+        return self.stage_loads or (2 if self.threads >= 256 else 8)
 
     @property
     def threads(self) -> int:
@@ -105,19 +111,21 @@ class Config:
     def name(self, dtype: mx.Dtype, bits: int, group_size: int) -> str:
         return (f"omlx_qmm_{SHORT[dtype]}_b{bits}_g{group_size}_t{self.tiles}_r{self.rows}"
                 f"_n{self.warps_n}_k{self.warps_k}_u{self.rounds}_c{self.slice_k}_o{self.per_sm}"
-                + (f"_x{self.column_tiles}" if self.column_tiles > 1 else ""))
+                + (f"_x{self.column_tiles}" if self.column_tiles > 1 else "")
+                + (f"_l{self.stage_loads}" if self.stage_loads else ""))
 
 
 def tiles_for(tokens: int) -> int:
     return 1 if tokens <= 8 else 2 if tokens <= 16 else 4 if tokens <= 32 else 8
 
 
-# The launch shape of each token bucket (tiles of 8 tokens): (R, WR, WK, U, KC, occupancy[, CT]), the
+# The launch shape of each token bucket (tiles of 8 tokens): (R, WR, WK, U, KC, occupancy[, CT[, SL]]), the
 # fastest of SWEEP in scripts/bench/decode.py by GPU time of the three Qwen3-8B layer shapes
 # chained in one CUDA graph, weighted as a decoder layer uses them (docs/benchmarks/decode-h200-layers-sweep.json;
 # the sweep of the current kernel, with 10 more candidates for 9-64 tokens, kept every one of them:
 # decode-h200-staging.json, last run).
-DEFAULTS = {1: (1, 2, 4, 2, 4096, 3), 2: (1, 4, 2, 2, 1024, 2), 4: (1, 4, 2, 1, 1024, 3), 8: (1, 8, 1, 1, 512, 2)}
+DEFAULTS = {1: (1, 2, 4, 2, 4096, 3), 2: (1, 4, 2, 2, 1024, 2, 1, 8), 4: (1, 4, 2, 1, 1024, 3, 1, 8),
+            8: (1, 8, 1, 1, 512, 2, 1, 8)}
 
 
 def default_config(tokens: int, bits: int) -> Config:
@@ -130,12 +138,13 @@ def default_config(tokens: int, bits: int) -> Config:
 
 
 def config_of(tiles: int, shape: tuple, bits: int = 4) -> Config:
-    """The Config of a launch shape (R, WR, WK, U, KC, occupancy[, CT]) for `tiles` token tiles."""
+    """The Config of a launch shape (R, WR, WK, U, KC, occupancy[, CT[, SL]]) for `tiles` token tiles."""
     rows, warps_n, warps_k, rounds, slice_k, occupancy, *rest = shape
     if bits == 8:
         rounds, occupancy = 1, min(occupancy, 2)
+    column_tiles, stage_loads = (list(rest) + [1, 0])[:2]
     return Config(tiles, rows, warps_n, warps_k, rounds, slice_k, occupancy=occupancy,
-                  column_tiles=rest[0] if rest else 1)
+                  column_tiles=column_tiles, stage_loads=stage_loads)
 
 
 def supported(x_dtype: mx.Dtype, scales_dtype: mx.Dtype, bits: int, group_size: int, mode: str = "affine") -> str:
@@ -196,8 +205,9 @@ def body(config: Config, dtype: mx.Dtype, bits: int, group_size: int, split: boo
             f"const int ns[] = {{{', '.join(f'{name}_shape[0]' for name in w)}}};\n"
             f"{t}* os[] = {{{', '.join(out)}}};\n"
             f"omlx_qmm::qmm_decode_segments<{t}, {bits}, {group_size}, {c.tiles}, {c.rows}, {c.warps_n}, "
-            f"{c.warps_k}, {c.rounds}, {c.slice_k}, {segments}, {c.column_tiles}>(x, ws, ss, bs, ns, "
-            f"{'locks' if split else 'nullptr'}, os, {'partial' if split else 'nullptr'}, M, x_shape[x_ndim - 1]);")
+            f"{c.warps_k}, {c.rounds}, {c.slice_k}, {segments}, {c.column_tiles}, {c.loads_in_flight}>("
+            f"x, ws, ss, bs, ns, {'locks' if split else 'nullptr'}, os, {'partial' if split else 'nullptr'}, M, "
+            "x_shape[x_ndim - 1]);")
 
 
 def parameters(dtype: mx.Dtype, split: bool, segments: int = 1) -> str:
