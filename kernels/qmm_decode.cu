@@ -56,9 +56,6 @@ __device__ __forceinline__ uint4 load_stream(const uint32_t* p) {
   return v;
 }
 
-// Two 4-bit values (nibbles `shift/4` and `shift/4 + 4` of `word`) as scale * q + bias,
-// in the activation type: the nibbles land in the mantissa of `magic`, subtracting it is
-// exact, and the fused multiply-add rounds once.
 // (a & mask) | bits as one LOP3: written in C, ptxas splits it in two (one instruction
 // takes one immediate operand, and this expression has two constants).
 __device__ __forceinline__ uint32_t and_or(uint32_t a, uint32_t mask, uint32_t bits) {
@@ -67,6 +64,9 @@ __device__ __forceinline__ uint32_t and_or(uint32_t a, uint32_t mask, uint32_t b
   return d;
 }
 
+// Two 4-bit values (nibbles `shift/4` and `shift/4 + 4` of `word`) as scale * q + bias,
+// in the activation type: the nibbles land in the mantissa of `magic`, subtracting it is
+// exact, and the fused multiply-add rounds once.
 template <typename T>
 __device__ __forceinline__ uint32_t dequant4(uint32_t word, int shift, uint32_t scale2, uint32_t bias2) {
   using T2 = typename Pair<T>::type;
@@ -197,15 +197,15 @@ __device__ __forceinline__ void qmm_decode(
   // take consecutive units of that layout (t, then token, then chunk, then block), so when
   // the tokens fill their tiles of 8 each store of 8 threads fills 128 contiguous bytes: no
   // bank conflicts, where the order of x itself (its rows 2 KB apart) put four threads on
-  // each bank (on the H200 this measured neutral: docs/benchmarks/decode-h200-staging.json).
-  // The tokens are counted up to a power of two, so a unit's place is shifts and masks: a
-  // division by M cost more instructions than the copy itself (at 32 tokens the staging
-  // was 45% of the kernel's instructions). Loads go out in batches of SL, so their
-  // latencies overlap instead of adding up: x comes from L2, and at 32 tokens a thread
-  // copies 16 units; in batches of 2 the wait for them was a quarter of the kernel's time
-  // (Nsight Compute's stall samples on the H200). Copying with cp.async instead (every unit in
-  // flight at once, reordered in place) was slower at every layer of 16-64 tokens there.
-  // Later tiles of the CTA find x staged already.
+  // each bank (on the H200 this measured neutral: docs/benchmarks/decode-h200-staging.json;
+  // copying with cp.async instead, every unit in flight at once and reordered in place, was
+  // slower there at every layer of 16-64 tokens). The tokens are counted up to a power of
+  // two, so a unit's place is shifts and masks: a division by M cost more instructions
+  // than the copy itself (at 32 tokens the staging was 45% of the kernel's instructions).
+  // Loads go out in batches of SL, so their latencies overlap instead of adding up: x
+  // comes from L2, and at 32 tokens a thread copies 16 units; in batches of 2 the wait for
+  // them was a quarter of the kernel's time (Nsight Compute's stall samples on the H200,
+  // decode-h200-qmm-ncu.json). Later tiles of the CTA find x staged already.
   if (stage) {
     const int lg = M > 1 ? 32 - __clz(M - 1) : 0;  // log2 of the token slots
     const int k0 = first * 128;

@@ -226,6 +226,17 @@ def test_install_replaces_quantized_linears_with_the_same_arrays(tiny_path):
     assert all(type(m) is nn.QuantizedLinear for m in quantized_linears(model).values())
 
 
+def test_a_server_warms_one_batch_per_launch_shape_only_where_the_kernel_is_installed(tiny_path):
+    model, _ = load(str(tiny_path))
+    assert qmm_decode.shape_changes(model, 32) == []  # plain QuantizedLinear: nothing to compile
+    qmm_decode.install(model, formats=ALL_FORMATS)
+    assert qmm_decode.shape_changes(model, 32) == [2, 9, 17]
+    assert qmm_decode.shape_changes(model, 200) == [2, 9, 17, 33]
+    assert qmm_decode.shape_changes(model, 1) == []
+    starts = qmm_decode.shape_changes(model, qmm_decode.MAX_TOKENS)
+    assert [qmm_decode.tiles_for(t) for t in starts] == sorted({qmm_decode.tiles_for(t) for t in range(2, 65)})
+
+
 def test_prefill_fast_path_wraps_the_decode_linear_and_unwrap_finds_it(tiny_path):
     model, _ = load(str(tiny_path))
     qmm_decode.install(model, formats=ALL_FORMATS)

@@ -21,7 +21,8 @@ barely helps; omlx's `qmm_decode` kernel (kernels/qmm_decode.cu) and the dense-c
            --sweep also times every launch shape of SWEEP (how DEFAULTS were chosen)
   kernels  the same layers' GPU time alone, per kernel, under Nsight Compute (caches
            flushed before each kernel, so weights come from HBM), with a sweep of the
-           kernel's launch shapes; skipped with the reason where ncu is absent
+           kernel's launch shapes (--quick: the default only, unless --sweep); skipped
+           with the reason where ncu is absent
   model    a generated Qwen3-8B-shape 4-bit g64 model: one decode step at batch 1, 8, 32
            after a 1k-token context: stock, kernel, dense copy; each waited for (with its
            Python and MLX's encoding apart) and pipelined, as mlx-lm's generators run it;
@@ -517,15 +518,16 @@ def sweep_configs(m: int) -> list:
     return [qmm_decode.config_of(tiles, shape) for shape in SWEEP[tiles]]
 
 
-def kernel_blocks(tokens, quick: bool = False) -> list[dict]:
-    """`quick`: MLX's kernel only below 8 tokens (precompiled), the default launch shape only."""
+def kernel_blocks(tokens, quick: bool = False, sweep: bool = False) -> list[dict]:
+    """`quick`: MLX's kernel only below 8 tokens (precompiled), the default launch shape only
+    (every shape of SWEEP with `sweep`)."""
     blocks = []
     for k, n in LAYERS:
         for m in tokens:
             if not quick or m < 8:
                 blocks.append({"k": k, "n": n, "m": m, "variant": "mlx_qmm"})
             blocks.append({"k": k, "n": n, "m": m, "variant": "dense_bf16"})
-            for config in sweep_configs(m)[:1] if quick else sweep_configs(m):
+            for config in sweep_configs(m)[:1] if quick and not sweep else sweep_configs(m):
                 for ctas in CTAS:
                     blocks.append({"k": k, "n": n, "m": m, "variant": "ours", "config": config.__dict__ | {"ctas": ctas}})
     return blocks
@@ -543,9 +545,9 @@ def build_blocks(tokens, calls: int):
     return built
 
 
-def compile_blocks(tokens, quick: bool, calls: int = 3) -> None:
+def compile_blocks(tokens, quick: bool, sweep: bool, calls: int = 3) -> None:
     built = build_blocks(tokens, calls)
-    for block in kernel_blocks(tokens, quick):
+    for block in kernel_blocks(tokens, quick, sweep):
         run_block(block, built, 1)
     marker_kernel()
     mx.synchronize()
@@ -565,9 +567,9 @@ def _marker():
     return mx.fast.cuda_kernel("omlx_bench_marker", ["x"], ["out"], "out[0] = x[0];"), one
 
 
-def kernels_child(tokens, blocks_file: Path, quick: bool, calls: int = 3) -> None:
+def kernels_child(tokens, blocks_file: Path, quick: bool, sweep: bool, calls: int = 3) -> None:
     """Run every block after a marker kernel (ncu's output is split at the markers)."""
-    blocks = kernel_blocks(tokens, quick)
+    blocks = kernel_blocks(tokens, quick, sweep)
     built = build_blocks(tokens, calls)
     mx.synchronize()
     for block in blocks:
@@ -619,16 +621,17 @@ def marked_kernel_times(report: Path) -> list[list[tuple[str, float]]]:
     return blocks
 
 
-def run_kernels(tokens, quick: bool = False, timeout: float = 240) -> dict:
+def run_kernels(tokens, quick: bool = False, sweep: bool = False, timeout: float = 240) -> dict:
     ncu = find_ncu()
     if ncu is None:
         return {"skipped": "Nsight Compute (ncu) not found: kernel GPU times not measured"}
-    compile_blocks(tokens, quick)  # the child finds every kernel in MLX's compiled-kernel cache
+    compile_blocks(tokens, quick, sweep)  # the child finds every kernel in MLX's compiled-kernel cache
     with tempfile.TemporaryDirectory() as tmp:
         blocks_file, report = Path(tmp) / "blocks.json", Path(tmp) / "ncu.csv"
         command = [ncu, "--clock-control", "none", "--metrics", "gpu__time_duration.sum", "--csv",
                    "--log-file", str(report), sys.executable, __file__, "--kernels-child", str(blocks_file),
-                   "--tokens", ",".join(map(str, tokens))] + (["--quick"] if quick else [])
+                   "--tokens", ",".join(map(str, tokens))]
+        command += (["--quick"] if quick else []) + (["--sweep"] if sweep else [])
         start = time.perf_counter()
         try:
             done = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
@@ -979,7 +982,7 @@ def main() -> None:
     tokens = tuple(int(t) for t in args.tokens.split(","))
     batches = tuple(int(b) for b in args.batches.split(","))
     if args.kernels_child:
-        kernels_child(tokens, Path(args.kernels_child), args.quick)
+        kernels_child(tokens, Path(args.kernels_child), args.quick, args.sweep)
         return
     if args.layers_child:
         layers_child(tokens, args.repeats, args.quick, args.sweep, Path(args.layers_child))
@@ -1014,7 +1017,7 @@ def main() -> None:
             elif part == "layers":
                 result["layers"] = run_layers(tokens, args.repeats, args.quick, args.sweep)
             elif part == "kernels":
-                result["kernels"] = run_kernels(tokens, args.quick)
+                result["kernels"] = run_kernels(tokens, args.quick, args.sweep)
             elif part == "model":
                 result["model"] = run_model(workdir, args.tiny, batches, repeats=args.repeats,
                                             variants=tuple(args.variants.split(",")), cache=args.cache)

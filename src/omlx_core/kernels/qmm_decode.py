@@ -119,11 +119,23 @@ def tiles_for(tokens: int) -> int:
     return 1 if tokens <= 8 else 2 if tokens <= 16 else 4 if tokens <= 32 else 8
 
 
+def shape_changes(model, limit: int) -> list[int]:
+    """The token counts up to `limit` at which the model's decode kernels take a new launch
+    shape (none when no DecodeQuantizedLinear is installed): each shape is compiled the
+    first time a batch of its size runs, so a server warms up with one batch of each."""
+    if not any(isinstance(m, DecodeQuantizedLinear) for _, m in model.named_modules()):
+        return []
+    top = min(limit, MAX_TOKENS)
+    return [t for t in range(MIN_TOKENS, top + 1) if t == MIN_TOKENS or tiles_for(t) != tiles_for(t - 1)]
+
+
 # The launch shape of each token bucket (tiles of 8 tokens): (R, WR, WK, U, KC, occupancy[, CT[, SL]]), the
 # fastest of SWEEP in scripts/bench/decode.py by GPU time of the three Qwen3-8B layer shapes
 # chained in one CUDA graph, weighted as a decoder layer uses them (docs/benchmarks/decode-h200-layers-sweep.json;
 # the sweep of the current kernel, with 10 more candidates for 9-64 tokens, kept every one of them:
-# decode-h200-staging.json, last run).
+# decode-h200-staging.json, last run; column tiles (CT) lost at every shape). SL = 8 from 9 tokens:
+# the staging's wait on x was a quarter of the 32-token kernel (decode-h200-qmm-ncu.json); in the
+# chained timings it won at 16 tokens and was within the run's noise at 32 and 64.
 DEFAULTS = {1: (1, 2, 4, 2, 4096, 3), 2: (1, 4, 2, 2, 1024, 2, 1, 8), 4: (1, 4, 2, 1, 1024, 3, 1, 8),
             8: (1, 8, 1, 1, 512, 2, 1, 8)}
 

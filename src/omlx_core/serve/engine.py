@@ -39,14 +39,19 @@ WARMUP_TOKENS = 3  # decode steps of each warm-up sequence
 
 
 def warm_up(generator, max_running: int) -> int:
-    """Decode a short dummy batch of one sequence, then of `max_running`, through the
-    server's own generator before the first request: a decode step's kernels are compiled
-    (and CUDA graphs made) the first time each batch size runs, and on the H200 that made
-    the first 32 requests of a cold server wait seconds for their first token (670 tok/s
-    against 2,346 once warm, docs/benchmarks/serve-h200-qwen3-8b-shape-32-streams-*.json).
+    """Decode a short dummy batch of one sequence, of each size at which the decode
+    kernels change launch shape (2, 9, 17, 33 sequences with qmm_decode installed), and of
+    `max_running`, through the server's own generator before the first request: a decode
+    step's kernels are compiled (and CUDA graphs made) the first time each batch size
+    runs, and on the H200 that made the first 32 requests of a cold server wait seconds
+    for their first token (670 tok/s against 2,346 once warm; warming batches of 1 and 32
+    alone still gave 798, docs/benchmarks/serve-h200-qwen3-8b-shape-32-streams-*.json).
     Returns the widest batch a decode step ran."""
+    from omlx_core.kernels.qmm_decode import shape_changes
+
+    batches = dict.fromkeys((1, *shape_changes(generator.model, max_running), max_running))
     widest = 0
-    for batch in dict.fromkeys((1, max_running)):
+    for batch in batches:
         uids = set(generator.insert([list(WARMUP_PROMPT)] * batch, max_tokens=[WARMUP_TOKENS] * batch))
         for _ in range(4 * (batch + WARMUP_TOKENS)):  # far more calls than prefill and decode take
             if not uids:
