@@ -6,7 +6,8 @@ tokenize against it) goes through `call`, which runs a function there and return
 future. Per step the engine admits what the scheduler lets through, advances every
 model's mlx-lm `BatchGenerator` by one step, turns tokens into text per request
 (its own detokenizer, stop strings, EOS), and removes cancelled requests at once, so a
-client that goes away frees its slot and its KV on the next step.
+client that goes away frees its slot and its KV on the next step. The step's events go
+to the HTTP side in one hand-over (`Outbox`).
 
 Prefix reuse: a request starts from the longest prefix its model's tiered prompt cache
 holds (`prompt_cache/`) and prefills only the rest. Its prompt is inserted in two
@@ -25,7 +26,7 @@ from dataclasses import dataclass
 
 from omlx_core.memory.guard import MemoryRefused
 from omlx_core.memory.kv import estimate_kv_bytes, worst_case_kv_bytes
-from omlx_core.serve.request import Delta, Finished, Request, Started
+from omlx_core.serve.request import Delta, Finished, Outbox, Request, Started
 from omlx_core.serve.sampling import StopText, make_sampler
 
 log = logging.getLogger("omlx.serve")
@@ -84,6 +85,7 @@ class Engine:
         self.ready = threading.Event()  # set once the startup models are loaded
         self.load_error: Exception | None = None
         self._calls: queue.SimpleQueue = queue.SimpleQueue()
+        self._outbox = Outbox()  # events of the engine thread's current pass
         self._wake = threading.Event()
         self._stopping = False
         self._active: dict[str, dict[int, _Sequence]] = {}  # model id -> uid -> sequence
@@ -147,11 +149,13 @@ class Engine:
             self._admit()
             self._drop_cancelled()
             if not any(self._active.values()):
+                self._outbox.flush()
                 self._wake.wait(IDLE_WAIT_S)
                 self._wake.clear()
                 continue
             for model_id in [m for m, seqs in self._active.items() if seqs]:
                 self._step(model_id)
+            self._outbox.flush()  # this pass's events in one hand-over to the event loop
             self._steps += 1
             if self._steps % STATS_EVERY_STEPS == 0:
                 self._record_kv()
@@ -238,7 +242,7 @@ class Engine:
             request, uid, model.tokenizer.detokenizer, StopText(request.stop), cached, store_at)
         if hit.cache is not None:
             self._charge_prefix_cache(model)
-        request.push(Started(cached))
+        self._outbox.add(request, Started(cached))
         self.metrics.prompt_tokens.labels(model.id).inc(len(request.prompt))
         self.metrics.cached_tokens.labels(model.id).inc(cached)
         self._update_gauges(model.id)
@@ -297,13 +301,13 @@ class Engine:
         text = sequence.stop_text.feed(detokenizer.last_segment)
         if sequence.stop_text.stopped:
             if text:
-                request.push(Delta(text, request.completion_tokens))
+                self._outbox.add(request, Delta(text, request.completion_tokens))
             self._end(model, sequence, "stop")
             return response.finish_reason is None
         if response.finish_reason is not None:
             text += sequence.stop_text.flush()
         if text:
-            request.push(Delta(text, request.completion_tokens))
+            self._outbox.add(request, Delta(text, request.completion_tokens))
         if response.finish_reason is not None:
             self._end(model, sequence, response.finish_reason)
         return False
@@ -332,8 +336,8 @@ class Engine:
         self.metrics.generation_tokens.labels(request.model_id).inc(request.completion_tokens)
         self.metrics.finished(request.model_id, request.arrived, request.first_token_at,
                               request.finished_at, request.completion_tokens)
-        request.push(Finished(reason, len(request.prompt), request.completion_tokens,
-                              request.cached_tokens, error))
+        self._outbox.add(request, Finished(reason, len(request.prompt), request.completion_tokens,
+                                           request.cached_tokens, error))
         self._wake.set()
 
     def _charge_prefix_cache(self, model) -> None:
@@ -366,6 +370,7 @@ class Engine:
             model = self.registry.loaded.get(model_id)
             for sequence in list(sequences.values()):
                 self._remove(model, sequence, "cancelled")
+        self._outbox.flush()
         for model in self.registry.loaded.values():
             if model.generator is not None:
                 model.generator.close()
