@@ -1,7 +1,7 @@
 """One generation request's explicit state, shared by the HTTP handler and the engine thread.
 
 The handler creates it and reads events from `events`; the engine thread advances it and
-pushes events through the event loop (thread-safe). `cancel()` is how a client that went
+hands its events to the event loop through an `Outbox` (thread-safe, one call per pass). `cancel()` is how a client that went
 away frees its slot: the engine sees the flag on its next step.
 """
 
@@ -71,21 +71,14 @@ class Request:
     def cancelled(self) -> bool:
         return self._cancelled.is_set()
 
-    def push(self, event) -> None:
-        """Deliver an event to the waiting handler from any thread."""
-        if self.loop is None:
-            self.events.put_nowait(event)
-        else:
-            self.loop.call_soon_threadsafe(self.events.put_nowait, event)
-
 
 class Outbox:
     """Events the engine thread makes in one pass, handed to the event loop in one call.
 
     Why: one `call_soon_threadsafe` per token per request wakes the loop that often (32
     times a decode step at 32 streams), and each wake-up's Python runs against the engine
-    thread's for the GIL. Events keep their order; a request without a loop gets its
-    events at once, as from `Request.push`."""
+    thread's for the GIL. Events keep their order; a request without a loop (no event
+    loop waits on it) gets its events at once."""
 
     def __init__(self):
         self._pending: list[tuple[Request, object]] = []
