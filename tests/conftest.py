@@ -8,10 +8,23 @@ from pathlib import Path
 import pytest
 
 
+TINY = "tiny-llama"  # the model of `tiny_home`
+
+
 @pytest.fixture
 def home(tmp_path: Path) -> Path:
     path = tmp_path / "omlx-home"
     path.mkdir()
+    return path
+
+
+@pytest.fixture(scope="module")
+def tiny_home(tmp_path_factory) -> Path:
+    """An $OMLX_HOME, shared by a test module, with a tiny llama (built in-process) as `TINY`."""
+    from omlx_core.models.testing import build_tiny_model
+
+    path = tmp_path_factory.mktemp("tiny-home")
+    build_tiny_model("llama", path / "models" / TINY)
     return path
 
 

@@ -8,22 +8,11 @@ import concurrent.futures
 import json
 
 import httpx
-import pytest
 
-from conftest import omlx_env, run_omlx
+from conftest import TINY, omlx_env, run_omlx
 from omlx_core.memory.kv import kv_profile, worst_case_kv_bytes
 from omlx_core.memory.weights import weights_bytes
 from omlx_core.models.testing import build_tiny_model
-
-TINY = "tiny-llama"
-
-
-@pytest.fixture(scope="module")
-def tiny_home(tmp_path_factory):
-    home = tmp_path_factory.mktemp("limits-home")
-    build_tiny_model("llama", home / "models" / TINY)
-    return home
-
 
 def complete(url: str, max_tokens: int = 2, key: str | None = None, **extra) -> httpx.Response:
     headers = {"Authorization": f"Bearer {key}"} if key else {}

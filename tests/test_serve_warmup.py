@@ -5,18 +5,8 @@ import httpx
 import mlx.core as mx
 import pytest
 
-from conftest import omlx_env
-from omlx_core.models.testing import build_tiny_model
+from conftest import TINY, omlx_env
 from omlx_core.serve.engine import WARMUP_TOKENS, warm_up
-
-TINY = "tiny-llama"
-
-
-@pytest.fixture(scope="module")
-def tiny_home(tmp_path_factory):
-    home = tmp_path_factory.mktemp("warmup-home")
-    build_tiny_model("llama", home / "models" / TINY)
-    return home
 
 
 def test_warm_up_decodes_the_widest_batch_and_leaves_the_generator_empty(tiny_home):
