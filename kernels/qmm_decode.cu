@@ -88,24 +88,23 @@ template <> __device__ __forceinline__ uint32_t pack<__half>(float lo, float hi)
   return bits_of(__floats2half2_rn(lo, hi));
 }
 
+// C += A B on the tensor cores. One body for both types: AB is the PTX name of the operands'.
+#define OMLX_QMM_MMA(AB)                                                                     \
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32." AB "." AB                            \
+               ".f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"        \
+               : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])                              \
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1))
 template <typename T>
 __device__ __forceinline__ void mma(float* c, const uint32_t* a, uint32_t b0, uint32_t b1);
 template <>
 __device__ __forceinline__ void mma<__nv_bfloat16>(float* c, const uint32_t* a, uint32_t b0, uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
-      "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  OMLX_QMM_MMA("bf16");
 }
 template <>
 __device__ __forceinline__ void mma<__half>(float* c, const uint32_t* a, uint32_t b0, uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, "
-      "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  OMLX_QMM_MMA("f16");
 }
+#undef OMLX_QMM_MMA
 
 // Template parameters:
 //   NT  token tiles of 8 (M <= 8 * NT)      R   16-row tiles per warp

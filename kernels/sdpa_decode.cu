@@ -49,27 +49,24 @@ template <> __device__ __forceinline__ uint32_t pack2<__half>(float lo, float hi
 }
 
 // C += A B for A's rows 0-7 only (a1 = a3 = 0: rows 8-15 are no query head), so only
-// c[0] and c[1] are kept.
+// c[0] and c[1] are kept. One body for both types: AB is the PTX name of the operands'.
+#define OMLX_SDPA_MMA(AB)                                                                    \
+  float z0 = 0.0f, z1 = 0.0f;                                                                \
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32." AB "." AB                            \
+               ".f32 {%0, %1, %2, %3}, {%4, %6, %5, %6}, {%7, %8}, {%0, %1, %2, %3};"        \
+               : "+f"(c[0]), "+f"(c[1]), "+f"(z0), "+f"(z1)                                  \
+               : "r"(a0), "r"(a2), "r"(0u), "r"(b0), "r"(b1))
 template <typename T>
 __device__ __forceinline__ void mma(float (&c)[2], uint32_t a0, uint32_t a2, uint32_t b0, uint32_t b1);
 template <>
 __device__ __forceinline__ void mma<__nv_bfloat16>(float (&c)[2], uint32_t a0, uint32_t a2, uint32_t b0, uint32_t b1) {
-  float z0 = 0.0f, z1 = 0.0f;
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %6, %5, %6}, {%7, %8}, "
-      "{%0, %1, %2, %3};"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(z0), "+f"(z1)
-      : "r"(a0), "r"(a2), "r"(0u), "r"(b0), "r"(b1));
+  OMLX_SDPA_MMA("bf16");
 }
 template <>
 __device__ __forceinline__ void mma<__half>(float (&c)[2], uint32_t a0, uint32_t a2, uint32_t b0, uint32_t b1) {
-  float z0 = 0.0f, z1 = 0.0f;
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %6, %5, %6}, {%7, %8}, "
-      "{%0, %1, %2, %3};"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(z0), "+f"(z1)
-      : "r"(a0), "r"(a2), "r"(0u), "r"(b0), "r"(b1));
+  OMLX_SDPA_MMA("f16");
 }
+#undef OMLX_SDPA_MMA
 
 // Eight consecutive elements of a row, raw: one 16-byte load when they are contiguous and
 // aligned (a cache's rows are), else one load each.
