@@ -14,6 +14,7 @@ from omlx_core.memory.kv import kv_profile, worst_case_kv_bytes
 from omlx_core.memory.weights import weights_bytes
 from omlx_core.models.testing import build_tiny_model
 
+
 def complete(url: str, max_tokens: int = 2, key: str | None = None, **extra) -> httpx.Response:
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     return httpx.post(url + "/v1/completions", headers=headers, timeout=120,

@@ -1,5 +1,6 @@
-"""The serve warm-up: dummy decode batches of 1 and max_concurrency sequences through the
-server's own generator before the first request (real tiny model, real server)."""
+"""The serve warm-up: dummy decode batches (1 sequence, each decode-kernel launch shape,
+max_concurrency) through the server's own generator before the first request (real tiny
+model, real server)."""
 
 import httpx
 import mlx.core as mx

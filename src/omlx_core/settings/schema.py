@@ -151,8 +151,8 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("server.max_concurrency", "int", 8, "Requests decoded together in one batch.", minimum=1),
     Setting("server.max_queue", "int", 64, "Requests waiting beyond the batch before 503.", minimum=0),
     Setting("server.warmup", "bool", True,
-            "Before serving, decode dummy batches of 1 and max_concurrency sequences, so the first requests "
-            "do not wait for kernel compiles."),
+            "Before serving, decode dummy batches of 1 sequence, of each decode-kernel launch shape and of "
+            "max_concurrency, so the first requests do not wait for kernel compiles."),
     Setting("prompt_cache.enabled", "bool", True,
             "Reuse computed KV of repeated prompt prefixes across requests and restarts."),
     Setting("prompt_cache.memory_bytes", "memory", 0.10,
