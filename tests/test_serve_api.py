@@ -182,9 +182,16 @@ def test_health_status_and_metrics(server):
                  "omlx_time_per_output_token_seconds_bucket", "omlx_kv_cache_bytes",
                  "omlx_memory_guard_rejections_total", "omlx_queue_rejections_total"):
         assert name in metrics, name
-    generated = [line for line in metrics.splitlines()
-                 if line.startswith(f'omlx_generation_tokens_total{{model="{TINY}"}}')]
-    assert generated and float(generated[0].split()[-1]) > 0
+    def value(series: str) -> float:
+        lines = [line for line in metrics.splitlines() if line.startswith(series + " ")]
+        assert lines, series
+        return float(lines[0].split()[-1])
+
+    assert value(f'omlx_generation_tokens_total{{model="{TINY}"}}') > 0
+    for phase in ("prefill", "decode"):  # the engine's steps, timed by phase
+        steps = value(f'omlx_engine_step_seconds_count{{model="{TINY}",phase="{phase}"}}')
+        seconds = value(f'omlx_engine_step_seconds_sum{{model="{TINY}",phase="{phase}"}}')
+        assert steps >= 1 and seconds > 0, phase
 
 
 def test_bad_requests_do_not_disturb_a_running_stream(server):

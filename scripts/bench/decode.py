@@ -16,8 +16,9 @@ barely helps; omlx's `qmm_decode` kernel (kernels/qmm_decode.cu) and the dense-c
            arithmetic, the control), and at the kernel's first difference the logit
            margins against a fp32 reference model (dequantized weights, fp32 activations)
   layers   per layer, chained in one CUDA graph (as a decode step runs them), GPU time per
-           call and wall time: 4096x4096, 4096x12288 and 12288x4096 (in x out) at M = 1..64 tokens:
-           MLX qmm, ours, dense bf16; 12288x4096 is measured as (up, down) pairs minus up;
+           call and wall time: 4096x4096, 4096x12288 and 12288x4096 (in x out) at M = 1..64 tokens
+           (more with --tokens): MLX qmm, ours (to 64), dense bf16, and the dense prefill path
+           (dequantize per call + dense); 12288x4096 is measured as (up, down) pairs minus up;
            --sweep also times every launch shape of SWEEP (how DEFAULTS were chosen)
   kernels  the same layers' GPU time alone, per kernel, under Nsight Compute (caches
            flushed before each kernel, so weights come from HBM), with a sweep of the
@@ -67,6 +68,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import mlx.core as mx  # noqa: E402
 
 from omlx_core.kernels import qmm_decode  # noqa: E402
+from omlx_core.kernels.dequantize import dequantize as kernel_dequantize  # noqa: E402
 
 PARTS = ("exact", "greedy", "margins", "layers", "kernels", "model", "profile")
 TOKENS = (1, 2, 4, 8, 16, 32, 64)
@@ -409,9 +411,12 @@ def make_layers(k: int, n: int, budget: int = 4 * L2_BYTES):
     return layers, dense, locks
 
 
-def variants(layers, dense, locks, configs=(), with_mlx: bool = True):
+def variants(layers, dense, locks, configs=(), with_mlx: bool = True, tokens: int = 1):
     """name -> step(i, x): MLX's qmm (unless `with_mlx` is false), ours at its default launch
-    shape and at each of `configs` (name "ours <config>"), and the dense bf16 matmul."""
+    shape and at each of `configs` (name "ours <config>") up to its MAX_TOKENS, the dense bf16
+    matmul on a resident copy, and the dense prefill path's route (the weight dequantized by
+    kernels/dequantize.cu per call, then the dense matmul): what inputs above MAX_TOKENS choose
+    between."""
     def mlx(i, x):
         wq, s, b = layers[i % len(layers)]
         return mx.quantized_matmul(x, wq, s, b, transpose=True, group_size=GROUP, bits=BITS)
@@ -426,10 +431,16 @@ def variants(layers, dense, locks, configs=(), with_mlx: bool = True):
     def bf16(i, x):
         return x @ dense[i % len(dense)].T
 
+    def dequantized(i, x):
+        wq, s, b = layers[i % len(layers)]
+        return x @ kernel_dequantize(wq, s, b, GROUP, BITS, x.dtype).T
+
     steps = {"mlx_qmm": mlx} if with_mlx else {}
-    steps["ours"] = ours()
-    steps.update({f"ours {config_label(config)}": ours(config) for config in configs})
+    if tokens <= qmm_decode.MAX_TOKENS:
+        steps["ours"] = ours()
+        steps.update({f"ours {config_label(config)}": ours(config) for config in configs})
     steps["dense_bf16"] = bf16
+    steps["dequantize_dense"] = dequantized
     return steps
 
 
@@ -465,7 +476,8 @@ def layers_child(tokens, repeats: int, quick: bool, sweep: bool, out: Path, call
     floor = {}
     rows = []
     for m in tokens:
-        configs = [replace(c, ctas=ctas) for c in sweep_configs(m) for ctas in CTAS] if sweep else ()
+        configs = ([replace(c, ctas=ctas) for c in sweep_configs(m) for ctas in CTAS]
+                   if sweep and m <= qmm_decode.MAX_TOKENS else ())
         with_mlx = not quick or m < 8
         x_small = mx.random.normal((m, 4096)).astype(mx.bfloat16)
         floor[m] = chain_seconds(lambda i, x: x + 1, x_small, calls, repeats)
@@ -473,12 +485,12 @@ def layers_child(tokens, repeats: int, quick: bool, sweep: bool, out: Path, call
         for k, n in LAYERS[:2]:
             layers, dense, locks = built[(k, n)]
             x = mx.random.normal((m, k)).astype(mx.bfloat16)
-            for name, step in variants(layers, dense, locks, configs, with_mlx).items():
+            for name, step in variants(layers, dense, locks, configs, with_mlx, m).items():
                 chained = step if n == k else (lambda s: lambda i, y: s(i, prefix(y, k) if y.shape[1] != k else y))(step)
                 timed[(k, n, name)] = chain_seconds(chained, x, calls, repeats)
         x = mx.random.normal((m, up_k)).astype(mx.bfloat16)
-        up = variants(*built[LAYERS[1]], configs, with_mlx)
-        down = variants(*built[LAYERS[2]], configs, with_mlx)
+        up = variants(*built[LAYERS[1]], configs, with_mlx, m)
+        down = variants(*built[LAYERS[2]], configs, with_mlx, m)
         for name in up:
             pair = chain_seconds((lambda u, d: lambda i, y: d(i, u(i, y)))(up[name], down[name]), x, calls // 2, repeats)
             timed[(*LAYERS[2], name)] = tuple(max(0.0, p - u) for p, u in zip(pair, timed[(up_k, up_n, name)]))

@@ -251,6 +251,7 @@ class Engine:
         model = self.registry.loaded[model_id]
         generator = model.generator
         generator.prefill_step_size = self.guard.prefill_chunk_size(int(model.settings["prefill.chunk_size"]))
+        started = time.perf_counter()
         try:
             prompt_responses, responses = generator.next()
         except Exception as error:  # noqa: BLE001 - fail this model's requests, keep serving
@@ -258,6 +259,8 @@ class Engine:
             for sequence in list(self._active.get(model_id, {}).values()):
                 self._remove(model, sequence, "error", error=error)
             return
+        phase = "prefill" if prompt_responses else "decode"
+        self.metrics.step.labels(model_id, phase).observe(time.perf_counter() - started)
         sequences = self._active[model_id]
         self._store_prefixes(model, sequences, prompt_responses)
         stopped = []

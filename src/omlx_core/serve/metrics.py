@@ -11,6 +11,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 _TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
+_STEP_BUCKETS = (0.002, 0.005, 0.0075, 0.01, 0.0125, 0.015, 0.02, 0.03, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
 
 
 class ServerMetrics:
@@ -34,6 +35,11 @@ class ServerMetrics:
         self.tpot = Histogram("omlx_time_per_output_token_seconds",
                               "Mean time per token after the first, per request.", labels,
                               buckets=_TOKEN_BUCKETS, registry=self.registry)
+        # Where the engine's time goes: a step that also prefilled admissions is a "prefill"
+        # step and holds every running stream for its length (the inter-token tail).
+        self.step = Histogram("omlx_engine_step_seconds", "Wall time of one engine step of a model's batch, "
+                              "by phase (decode only, or decode with admissions' prefill).",
+                              ["model", "phase"], buckets=_STEP_BUCKETS, registry=self.registry)
         self.kv_bytes = Gauge("omlx_kv_cache_bytes", "Live KV cache bytes of running requests.", labels,
                               registry=self.registry)
         self.memory_rejections = Counter("omlx_memory_guard_rejections",
