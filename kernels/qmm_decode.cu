@@ -110,23 +110,20 @@ __device__ __forceinline__ void mma<__half>(float* c, const uint32_t* a, uint32_
 //   NT  token tiles of 8 (M <= 8 * NT)      R   16-row tiles per warp
 //   WR  warps along N in a CTA              WK  warps along K in a CTA
 //   U   128-input blocks loaded per round   KC  most inputs of one CTA's K slice (smem)
-//   CT  column tiles (16 * R * WR rows each) one CTA computes, one after another
 //   SL  16-byte loads of x a thread has in flight while staging
-// Launch: blockDim.x = 32 * WR * WK; gridDim.x = ceil(ceil(N / (16 * R * WR)) / CT);
-// gridDim.y = the split of K across CTAs (every slice at most KC inputs); dynamic shared
-// memory: staged = 8 * NT * KC * 2 bytes of x, reduced = 8 * NT * (16 * R * WR + 4) * 4
-// bytes for the sums; max(staged, reduced) when CT = 1 (the sums reuse x's place),
-// staged + reduced otherwise. K is a multiple of 32 and of GS. When gridDim.y > 1, `locks`
+// Launch: blockDim.x = 32 * WR * WK; gridDim.x = ceil(N / (16 * R * WR)), one column tile
+// a CTA; gridDim.y = the split of K across CTAs (every slice at most KC inputs); dynamic
+// shared memory: max(staged, reduced), staged = 8 * NT * KC * 2 bytes of x and reduced =
+// 8 * NT * (16 * R * WR + 4) * 4 bytes for the sums, which reuse x's place once the
+// products are done. K is a multiple of 32 and of GS. When gridDim.y > 1, `locks`
 // holds one zero per column tile and is left zero and `partial` holds gridDim.y * M * N
 // floats; with one slice per column tile neither is touched (null).
-// `tile` is the column tile computed (its place in its segment); `stage`: copy this CTA's
-// slice of x to shared memory first (the first tile of the CTA; the others reuse it);
-// `red`: the shared buffer of the sums.
+// `tile` is the column tile computed (its place in its segment).
 template <typename T, int BITS, int GS, int NT, int R, int WR, int WK, int U, int KC, int SL>
 __device__ __forceinline__ void qmm_decode(
     const T* __restrict__ x, const uint32_t* __restrict__ w, const T* __restrict__ scales,
     const T* __restrict__ biases, const int32_t* locks, T* __restrict__ out,
-    float* __restrict__ partial, int M, int K, int N, int tile, bool stage, float* red) {
+    float* __restrict__ partial, int M, int K, int N, int tile) {
   static_assert(BITS == 4 || BITS == 8, "4 or 8 bits");
   static_assert(GS == 32 || GS == 64 || GS == 128, "group size 32, 64 or 128");
   static_assert(KC % 128 == 0, "K slices are whole 128-input blocks");
@@ -204,34 +201,32 @@ __device__ __forceinline__ void qmm_decode(
   // Loads go out in batches of SL, so their latencies overlap instead of adding up: x
   // comes from L2, and at 32 tokens a thread copies 16 units; in batches of 2 the wait for
   // them was a quarter of the kernel's time (Nsight Compute's stall samples on the H200,
-  // decode-h200-qmm-ncu.json). Later tiles of the CTA find x staged already.
-  if (stage) {
-    const int lg = M > 1 ? 32 - __clz(M - 1) : 0;  // log2 of the token slots
-    const int k0 = first * 128;
-    const int units = (per_cta * 16) << lg;
-    for (int base = threadIdx.x; base < units; base += SL * blockDim.x) {
-      uint4 v[SL];
+  // decode-h200-qmm-ncu.json).
+  const int lg = M > 1 ? 32 - __clz(M - 1) : 0;  // log2 of the token slots
+  const int k0 = first * 128;
+  const int units = (per_cta * 16) << lg;
+  for (int base = threadIdx.x; base < units; base += SL * blockDim.x) {
+    uint4 v[SL];
 #pragma unroll
-      for (int u = 0; u < SL; ++u) {
-        const int idx = base + u * blockDim.x;
-        const int m = (idx >> 2) & ((1 << lg) - 1), chunk = idx >> (2 + lg);  // chunk: 4 * block + j
-        const int k = k0 + (chunk >> 2) * 128 + (idx & 3) * 32 + (chunk & 3) * 8;
-        v[u] = make_uint4(0, 0, 0, 0);
-        if (idx < units && m < M && k < K) v[u] = *reinterpret_cast<const uint4*>(x + (size_t)m * K + k);
-      }
+    for (int u = 0; u < SL; ++u) {
+      const int idx = base + u * blockDim.x;
+      const int m = (idx >> 2) & ((1 << lg) - 1), chunk = idx >> (2 + lg);  // chunk: 4 * block + j
+      const int k = k0 + (chunk >> 2) * 128 + (idx & 3) * 32 + (chunk & 3) * 8;
+      v[u] = make_uint4(0, 0, 0, 0);
+      if (idx < units && m < M && k < K) v[u] = *reinterpret_cast<const uint4*>(x + (size_t)m * K + k);
+    }
 #pragma unroll
-      for (int u = 0; u < SL; ++u) {
-        const int idx = base + u * blockDim.x;
-        const int m = (idx >> 2) & ((1 << lg) - 1), chunk = idx >> (2 + lg);
-        if (idx >= units) break;
-        if (m >= M) continue;
-        uint4 p;
-        p.x = __byte_perm(v[u].x, v[u].z, 0x5410);
-        p.y = __byte_perm(v[u].x, v[u].z, 0x7632);
-        p.z = __byte_perm(v[u].y, v[u].w, 0x5410);
-        p.w = __byte_perm(v[u].y, v[u].w, 0x7632);
-        smem[((chunk * NT + (m >> 3)) * 8 + (m & 7)) * 4 + (idx & 3)] = p;
-      }
+    for (int u = 0; u < SL; ++u) {
+      const int idx = base + u * blockDim.x;
+      const int m = (idx >> 2) & ((1 << lg) - 1), chunk = idx >> (2 + lg);
+      if (idx >= units) break;
+      if (m >= M) continue;
+      uint4 p;
+      p.x = __byte_perm(v[u].x, v[u].z, 0x5410);
+      p.y = __byte_perm(v[u].x, v[u].z, 0x7632);
+      p.z = __byte_perm(v[u].y, v[u].w, 0x5410);
+      p.w = __byte_perm(v[u].y, v[u].w, 0x7632);
+      smem[((chunk * NT + (m >> 3)) * 8 + (m & 7)) * 4 + (idx & 3)] = p;
     }
   }
   __syncthreads();
@@ -309,7 +304,9 @@ __device__ __forceinline__ void qmm_decode(
     if (round + 3 * U < mine) load(pong, round + 3 * U);
   }
 
-  // Reduce the K-warps in a fixed order: [token][channel] floats in shared memory.
+  // Reduce the K-warps in a fixed order: [token][channel] floats in shared memory, in x's
+  // place (every warp is past its products after the barrier).
+  float* red = reinterpret_cast<float*>(smem);
   __syncthreads();
   for (int step = 0; step < WK; ++step) {
     if (wk == step) {
@@ -378,47 +375,39 @@ __device__ __forceinline__ void qmm_decode(
 
 // S linears of one input in one launch (q/k/v, or gate/up): segment s has its own weights,
 // scales, biases, N[s] rows and output. The column tiles are the segments' tiles one after
-// another; CTA b computes tiles CT * b .. CT * b + CT - 1 (each with its segment's counters,
-// the segments' tiles following each other in `locks`, and its partials, gridDim.y * M *
-// N[s] floats per segment, one after another), from the one copy of x staged by its first
-// tile. One launch instead of S: a decode step pays the host for every launch, and each
-// launch's ramp and tail on the GPU. Several tiles per CTA: x is staged once for all of
-// them (at 32 tokens it is 8 times the bytes of the weights it multiplies in one tile).
-template <typename T, int BITS, int GS, int NT, int R, int WR, int WK, int U, int KC, int S, int CT, int SL>
+// another (each with its segment's counters, the segments' tiles following each other in
+// `locks`, and its partials, gridDim.y * M * N[s] floats per segment, one after another).
+// One launch instead of S: a decode step pays the host for every launch, and each launch's
+// ramp and tail on the GPU.
+template <typename T, int BITS, int GS, int NT, int R, int WR, int WK, int U, int KC, int S, int SL>
 __device__ __forceinline__ void qmm_decode_segments(
     const T* __restrict__ x, const uint32_t* const (&w)[S], const T* const (&scales)[S],
     const T* const (&biases)[S], const int (&N)[S], const int32_t* locks, T* const (&out)[S],
     float* partial, int M, int K) {
   constexpr int BN = 16 * R * WR;
-  extern __shared__ uint4 smem[];
-  // The sums reuse x's place when x is staged for one tile only.
-  float* red = reinterpret_cast<float*>(CT == 1 ? smem : smem + NT * KC);
-#pragma unroll 1
-  for (int c = 0; c < CT; ++c) {
-    // Every index below is a constant once unrolled: the pointers stay in registers.
-    int tile = blockIdx.x * CT + c;
-    const int32_t* lk = locks;
-    float* part = partial;
-    const uint32_t* ws = w[0];
-    const T *ss = scales[0], *bs = biases[0];
-    T* os = out[0];
-    int n = N[0];
-    bool found = false;
+  // Every index below is a constant once unrolled: the pointers stay in registers.
+  int tile = blockIdx.x;
+  const int32_t* lk = locks;
+  float* part = partial;
+  const uint32_t* ws = w[0];
+  const T *ss = scales[0], *bs = biases[0];
+  T* os = out[0];
+  int n = N[0];
+  bool found = false;
 #pragma unroll
-    for (int i = 0; i < S; ++i) {
-      const int tiles = (N[i] + BN - 1) / BN;
-      if (!found && tile < tiles) {
-        found = true;
-        ws = w[i], ss = scales[i], bs = biases[i], os = out[i], n = N[i];
-      } else if (!found) {
-        tile -= tiles;
-        if (lk != nullptr) lk += tiles;
-        if (part != nullptr) part += (size_t)gridDim.y * M * N[i];
-      }
+  for (int i = 0; i < S; ++i) {
+    const int tiles = (N[i] + BN - 1) / BN;
+    if (!found && tile < tiles) {
+      found = true;
+      ws = w[i], ss = scales[i], bs = biases[i], os = out[i], n = N[i];
+    } else if (!found) {
+      tile -= tiles;
+      if (lk != nullptr) lk += tiles;
+      if (part != nullptr) part += (size_t)gridDim.y * M * N[i];
     }
-    if (!found) return;  // the last CTA's tiles past the end (the same for all its threads)
-    qmm_decode<T, BITS, GS, NT, R, WR, WK, U, KC, SL>(x, ws, ss, bs, lk, os, part, M, K, n, tile, c == 0, red);
   }
+  if (!found) return;  // never for a grid of the segments' tiles
+  qmm_decode<T, BITS, GS, NT, R, WR, WK, U, KC, SL>(x, ws, ss, bs, lk, os, part, M, K, n, tile);
 }
 
 }  // namespace omlx_qmm

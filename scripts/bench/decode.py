@@ -447,7 +447,7 @@ def variants(layers, dense, locks, configs=(), with_mlx: bool = True, tokens: in
 def config_label(config) -> str:
     c = config
     return (f"t{c.tiles} r{c.rows} n{c.warps_n} k{c.warps_k} u{c.rounds} c{c.slice_k} o{c.occupancy}"
-            + (f" x{c.column_tiles}" if c.column_tiles > 1 else "") + f" l{c.loads_in_flight} ctas{c.ctas}")
+            + f" l{c.loads_in_flight} ctas{c.ctas}")
 
 
 def bandwidth(nbytes: int, seconds: float) -> float:
@@ -510,17 +510,15 @@ def layers_child(tokens, repeats: int, quick: bool, sweep: bool, out: Path, call
 
 # -- kernels (GPU time per kernel under ncu) ------------------------------------------------
 
-SWEEP = {  # (R, WR, WK, U, KC, occupancy[, CT[, SL]]) per token bucket; the default (DEFAULTS) is first
+SWEEP = {  # (R, WR, WK, U, KC, occupancy[, SL]) per token bucket; the default (DEFAULTS) is first
     1: [(1, 2, 4, 2, 4096, 3), (1, 8, 1, 2, 1024, 2), (1, 8, 1, 1, 1024, 4), (1, 4, 2, 2, 2048, 2),
-        (1, 8, 1, 2, 2048, 2), (1, 2, 4, 2, 4096, 3, 1, 4)],
-    2: [(1, 4, 2, 2, 1024, 2, 1, 8), (1, 4, 2, 2, 1024, 2, 1, 2), (1, 4, 2, 2, 1024, 2, 1, 4),
-        (2, 2, 2, 1, 1024, 3, 1, 8), (1, 8, 1, 1, 2048, 2, 1, 8), (1, 4, 2, 2, 1024, 2, 2, 8)],
-    4: [(1, 4, 2, 1, 1024, 3, 1, 8), (1, 4, 2, 1, 1024, 3, 1, 2), (1, 4, 2, 1, 1024, 3, 1, 4),
-        (2, 2, 2, 1, 1024, 3, 1, 8), (1, 8, 1, 1, 512, 2, 1, 8), (2, 4, 1, 1, 1024, 2, 1, 8),
-        (1, 4, 2, 1, 512, 3, 4, 8)],
-    8: [(1, 8, 1, 1, 512, 2, 1, 8), (1, 8, 1, 1, 512, 2, 1, 2), (1, 8, 1, 1, 512, 2, 1, 4),
-        (1, 4, 1, 1, 512, 3, 1, 8), (1, 4, 2, 1, 512, 2, 1, 8), (1, 8, 1, 1, 1024, 1, 1, 8),
-        (1, 8, 1, 1, 512, 2, 2, 8)],
+        (1, 8, 1, 2, 2048, 2), (1, 2, 4, 2, 4096, 3, 4)],
+    2: [(1, 4, 2, 2, 1024, 2, 8), (1, 4, 2, 2, 1024, 2, 2), (1, 4, 2, 2, 1024, 2, 4),
+        (2, 2, 2, 1, 1024, 3, 8), (1, 8, 1, 1, 2048, 2, 8)],
+    4: [(1, 4, 2, 1, 1024, 3, 8), (1, 4, 2, 1, 1024, 3, 2), (1, 4, 2, 1, 1024, 3, 4),
+        (2, 2, 2, 1, 1024, 3, 8), (1, 8, 1, 1, 512, 2, 8), (2, 4, 1, 1, 1024, 2, 8)],
+    8: [(1, 8, 1, 1, 512, 2, 8), (1, 8, 1, 1, 512, 2, 2), (1, 8, 1, 1, 512, 2, 4),
+        (1, 4, 1, 1, 512, 3, 8), (1, 4, 2, 1, 512, 2, 8), (1, 8, 1, 1, 1024, 1, 8)],
 }
 CTAS = (qmm_decode.SMS, qmm_decode.SMS * 2, qmm_decode.SMS * 4)
 

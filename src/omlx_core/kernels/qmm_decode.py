@@ -67,7 +67,6 @@ class Config:
     slice_k: int  # KC: most inputs of one CTA's slice of K
     ctas: int = SMS  # the split of K aims at least at this many CTAs
     occupancy: int = 4  # most CTAs an SM holds: the register budget of the launch bounds
-    column_tiles: int = 1  # CT: column tiles one CTA computes from one staged copy of x
     stage_loads: int = 0  # SL: x loads a thread has in flight while staging (0: by block size)
 
     @property
@@ -85,14 +84,14 @@ class Config:
 
     @property
     def shared_bytes(self) -> int:
-        """Staged x and the sums: one place for both when a CTA computes one column tile."""
+        """Staged x, then the sums in its place."""
         staged = 8 * self.tiles * self.slice_k * 2
         reduced = 8 * self.tiles * (self.block_n + 4) * 4
-        return max(staged, reduced) if self.column_tiles == 1 else staged + reduced
+        return max(staged, reduced)
 
     def columns(self, *ns: int) -> int:
-        """CTAs along N for linears of `ns` outputs launched together."""
-        return math.ceil(sum(math.ceil(n / self.block_n) for n in ns) / self.column_tiles)
+        """CTAs along N for linears of `ns` outputs launched together: one column tile each."""
+        return sum(math.ceil(n / self.block_n) for n in ns)
 
     @property
     def per_sm(self) -> int:
@@ -111,7 +110,6 @@ class Config:
     def name(self, dtype: mx.Dtype, bits: int, group_size: int) -> str:
         return (f"omlx_qmm_{SHORT[dtype]}_b{bits}_g{group_size}_t{self.tiles}_r{self.rows}"
                 f"_n{self.warps_n}_k{self.warps_k}_u{self.rounds}_c{self.slice_k}_o{self.per_sm}"
-                + (f"_x{self.column_tiles}" if self.column_tiles > 1 else "")
                 + (f"_l{self.stage_loads}" if self.stage_loads else ""))
 
 
@@ -129,15 +127,16 @@ def shape_changes(model, limit: int) -> list[int]:
     return [t for t in range(MIN_TOKENS, top + 1) if t == MIN_TOKENS or tiles_for(t) != tiles_for(t - 1)]
 
 
-# The launch shape of each token bucket (tiles of 8 tokens): (R, WR, WK, U, KC, occupancy[, CT[, SL]]), the
+# The launch shape of each token bucket (tiles of 8 tokens): (R, WR, WK, U, KC, occupancy[, SL]), the
 # fastest of SWEEP in scripts/bench/decode.py by GPU time of the three Qwen3-8B layer shapes
 # chained in one CUDA graph, weighted as a decoder layer uses them (docs/benchmarks/decode-h200-layers-sweep.json;
 # the sweep of the current kernel, with 10 more candidates for 9-64 tokens, kept every one of them:
-# decode-h200-staging.json, last run; column tiles (CT) lost at every shape). SL = 8 from 9 tokens:
+# decode-h200-staging.json, last run; several column tiles per CTA lost at every shape, and went).
+# SL = 8 from 9 tokens:
 # the staging's wait on x was a quarter of the 32-token kernel (decode-h200-qmm-ncu.json); in the
 # chained timings it won at 16 tokens and was within the run's noise at 32 and 64.
-DEFAULTS = {1: (1, 2, 4, 2, 4096, 3), 2: (1, 4, 2, 2, 1024, 2, 1, 8), 4: (1, 4, 2, 1, 1024, 3, 1, 8),
-            8: (1, 8, 1, 1, 512, 2, 1, 8)}
+DEFAULTS = {1: (1, 2, 4, 2, 4096, 3), 2: (1, 4, 2, 2, 1024, 2, 8), 4: (1, 4, 2, 1, 1024, 3, 8),
+            8: (1, 8, 1, 1, 512, 2, 8)}
 
 
 def default_config(tokens: int, bits: int) -> Config:
@@ -150,13 +149,12 @@ def default_config(tokens: int, bits: int) -> Config:
 
 
 def config_of(tiles: int, shape: tuple, bits: int = 4) -> Config:
-    """The Config of a launch shape (R, WR, WK, U, KC, occupancy[, CT[, SL]]) for `tiles` token tiles."""
+    """The Config of a launch shape (R, WR, WK, U, KC, occupancy[, SL]) for `tiles` token tiles."""
     rows, warps_n, warps_k, rounds, slice_k, occupancy, *rest = shape
     if bits == 8:
         rounds, occupancy = 1, min(occupancy, 2)
-    column_tiles, stage_loads = (list(rest) + [1, 0])[:2]
     return Config(tiles, rows, warps_n, warps_k, rounds, slice_k, occupancy=occupancy,
-                  column_tiles=column_tiles, stage_loads=stage_loads)
+                  stage_loads=rest[0] if rest else 0)
 
 
 def supported(x_dtype: mx.Dtype, scales_dtype: mx.Dtype, bits: int, group_size: int, mode: str = "affine") -> str:
@@ -217,7 +215,7 @@ def body(config: Config, dtype: mx.Dtype, bits: int, group_size: int, split: boo
             f"const int ns[] = {{{', '.join(f'{name}_shape[0]' for name in w)}}};\n"
             f"{t}* os[] = {{{', '.join(out)}}};\n"
             f"omlx_qmm::qmm_decode_segments<{t}, {bits}, {group_size}, {c.tiles}, {c.rows}, {c.warps_n}, "
-            f"{c.warps_k}, {c.rounds}, {c.slice_k}, {segments}, {c.column_tiles}, {c.loads_in_flight}>("
+            f"{c.warps_k}, {c.rounds}, {c.slice_k}, {segments}, {c.loads_in_flight}>("
             f"x, ws, ss, bs, ns, {'locks' if split else 'nullptr'}, os, {'partial' if split else 'nullptr'}, M, "
             "x_shape[x_ndim - 1]);")
 
