@@ -217,8 +217,10 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("compute.upcast_quantized", "choice", "auto",
             "Multiply 16-bit quantized layers in float32 (parity-keeping; MLX's 16-bit quantized CPU "
             "kernel is 10-50x slower); auto = on on MLX's CPU backend.", choices=("auto", "on", "off")),
-    Setting("prefill.dense_min_tokens", "count", 512,
-            "Inputs of at least this many tokens take the dequantize-to-dense path.", minimum=1),
+    Setting("prefill.dense_min_tokens", "count", 65,
+            "Inputs of at least this many tokens take the dequantize-to-dense path (65: right above the "
+            "decode kernel's 64; below, MLX's quantized matmul, which CUDA compiles per input shape).",
+            minimum=1),
     Setting("prefill.chunked_gdn", "bool", True,
             "Prefill gated-delta layers (qwen3_5) in chunks instead of token by token (parity-keeping)."),
     Setting("prefill.chunked_gdn_min_tokens", "count", 64,

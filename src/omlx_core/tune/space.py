@@ -23,7 +23,7 @@ SHARE_GRID = (0.0, 0.0625, 0.125, 0.25, 0.375)
 # BLAS: there the cpu lane may be worth any share, all of it included.
 CPU_ONLY_SHARE_GRID = (0.0, 0.25, 0.5, 0.75, 1.0)
 CHUNK_GRID = (512, 1024, 2048, 4096, 8192)
-DENSE_GRID = ("off", 256, 512, 1024, 2048)
+DENSE_GRID = ("off", 65, 256, 512, 1024, 2048)  # 65: the default, above the decode kernel's 64
 OFF = "off"
 
 
