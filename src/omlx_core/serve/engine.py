@@ -215,7 +215,7 @@ class Engine:
         if model.generator is None:
             generator = BatchGenerator(
                 model.model, completion_batch_size=self.scheduler.max_running,
-                prefill_batch_size=min(8, self.scheduler.max_running),
+                prefill_batch_size=min(int(model.settings["server.prefill_batch"]), self.scheduler.max_running),
                 prefill_step_size=int(model.settings["prefill.chunk_size"]))
             if model.settings["server.warmup"]:
                 warm_up(generator, self.scheduler.max_running)

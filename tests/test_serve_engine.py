@@ -1,0 +1,41 @@
+"""The serve engine in-process (real tiny model, no HTTP): how admitted prompts are prefilled."""
+
+import time
+
+import pytest
+
+from conftest import TINY
+from omlx_core.memory.guard import MemoryGuard
+from omlx_core.serve.engine import Engine
+from omlx_core.serve.metrics import ServerMetrics
+from omlx_core.serve.registry import ModelRegistry
+from omlx_core.serve.request import Request
+from omlx_core.serve.scheduler import Scheduler
+
+PROMPTS = 4
+
+
+def prefill_steps(home, prefill_batch: int) -> float:
+    """Engine steps that prefilled, for PROMPTS requests queued before the engine starts
+    (so all are admitted in its first pass)."""
+    guard = MemoryGuard(total_bytes=64 * 2**30)
+    registry = ModelRegistry(home, [TINY], guard, cli_settings={
+        "server.prefill_batch": prefill_batch, "server.warmup": False})
+    metrics = ServerMetrics()
+    engine = Engine(registry, Scheduler(guard, max_running=PROMPTS, max_waiting=PROMPTS), guard, metrics)
+    requests = [Request(TINY, [5, 6, 7, 8 + i], max_tokens=2, temperature=0.0) for i in range(PROMPTS)]
+    for request in requests:
+        engine.submit(request)
+    engine.start()
+    deadline = time.monotonic() + 120
+    while any(r.finished_at is None for r in requests) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    engine.stop()
+    assert all(r.completion_tokens == 2 for r in requests)
+    return metrics.registry.get_sample_value("omlx_engine_step_seconds_count", {"model": TINY, "phase": "prefill"})
+
+
+@pytest.mark.parametrize("prefill_batch, groups", [(PROMPTS, 1), (1, PROMPTS)])
+def test_admitted_prompts_prefill_server_prefill_batch_at_a_time(tiny_home, prefill_batch, groups):
+    # Each group of prompts takes two steps in mlx-lm's generator: its prompts, then its first tokens.
+    assert prefill_steps(tiny_home, prefill_batch) == 2 * groups
