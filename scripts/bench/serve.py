@@ -1,5 +1,6 @@
 #!/usr/bin/env python
-"""Benchmark `omlx serve` against `mlx_lm.server` on the same model, in the same run.
+"""Benchmark `omlx serve` against `mlx_lm.server` (or against itself with other settings) on
+the same model, in the same run.
 
 Why: `omlx serve` batches requests continuously over mlx-lm's BatchGenerator; the number
 that matters is what N streaming clients get from it compared with stock mlx-lm's own
@@ -18,6 +19,13 @@ the cores. mlx_lm.server answers /health 200 before its model has loaded, so the
 (the calibration request plus --warmup requests at --concurrency, not counted: --warmup 32 at
 32 streams runs every batch size before the clock starts) also absorbs the load.
 
+`--set KEY=VALUE` gives the omlx server a setting (through its `OMLX_<KEY>` environment
+variable, the layer above the settings files); `--against omlx` makes the baseline an omlx
+server too, with the `--against-set` settings instead: an A/B of one setting, e.g.
+`--against omlx --set server.prefill_batch=32`. Each omlx server's `omlx_engine_step_seconds`
+(steps and seconds by phase: decode only, or with admissions' prefill) is read from /metrics
+after its level: the warm-up's steps included.
+
 Every request streams `max_tokens` = --gen with `ignore_eos`; omlx honours it, mlx_lm.server
 does not and may stop at EOS, so tokens are counted as each server reports them and the
 table shows tokens per request: compare tok/s only where both reached --gen. Generation
@@ -30,7 +38,8 @@ falls on both sides alike over an even number of rounds. Each figure is the medi
 the ratio is median omlx tok/s / median mlx-lm tok/s.
 
     .venv/bin/python scripts/bench/serve.py [--model default] [--concurrency 8] [--requests 32]
-        [--ctx 128] [--gen 64] [--rounds 1] [--endpoint completions|chat] [--json]
+        [--ctx 128] [--gen 64] [--rounds 1] [--endpoint completions|chat] [--set KEY=VALUE ...]
+        [--against mlx-lm|omlx] [--against-set KEY=VALUE ...] [--json]
 """
 
 import argparse
@@ -45,7 +54,7 @@ import tempfile
 import time
 from pathlib import Path
 
-OMLX, MLX_LM = "omlx", "mlx-lm"
+OMLX, MLX_LM, OMLX_BASELINE = "omlx", "mlx-lm", "omlx-baseline"
 
 
 def free_port() -> int:
@@ -77,8 +86,8 @@ def _tail(log: Path, lines: int = 30) -> str:
 class Subprocess:
     """A server process on a loopback port: start, wait for /health 200, stop."""
 
-    def __init__(self, name: str, command: list[str], port: int, log: Path):
-        self.name, self.command, self.port, self.log = name, command, port, log
+    def __init__(self, name: str, command: list[str], port: int, log: Path, env: dict | None = None):
+        self.name, self.command, self.port, self.log, self.env = name, command, port, log, env
         self.url = f"http://127.0.0.1:{port}"
         self.proc = None
 
@@ -88,7 +97,7 @@ class Subprocess:
         started = time.perf_counter()
         with open(self.log, "wb") as out:
             self.proc = subprocess.Popen(self.command, stdout=out, stderr=subprocess.STDOUT,
-                                         stdin=subprocess.DEVNULL)
+                                         stdin=subprocess.DEVNULL, env=self.env)
         last = "no answer"
         while time.perf_counter() - started < timeout_s:
             if self.proc.poll() is not None:
@@ -117,10 +126,49 @@ class Subprocess:
             return self.proc.wait()
 
 
-def run_one(name: str, command: list[str], port: int, log: Path, workload, args) -> dict:
+def settings_env(pairs: list[str], flag: str) -> dict[str, str]:
+    """`OMLX_<KEY>` variables for KEY=VALUE settings, each checked against the schema."""
+    from omlx_core.errors import OmlxError
+    from omlx_core.settings.schema import lookup
+
+    env = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep:
+            raise SystemExit(f"{flag} {pair}: expected KEY=VALUE, e.g. server.prefill_batch=32")
+        try:
+            setting = lookup(key.strip())
+            setting.parse(value)
+        except OmlxError as error:
+            raise SystemExit(f"{flag} {pair}: {error}") from None
+        env[setting.env_name] = value.strip()
+    return env
+
+
+def engine_steps(url: str) -> dict:
+    """Steps and seconds by phase from an omlx server's /metrics (empty if it has none)."""
+    import httpx
+
+    steps: dict = {}
+    try:
+        text = httpx.get(url + "/metrics", timeout=10).text
+    except httpx.HTTPError:
+        return steps
+    for line in text.splitlines():
+        if line.startswith("omlx_engine_step_seconds_sum") or line.startswith("omlx_engine_step_seconds_count"):
+            series, value = line.rsplit(" ", 1)
+            phase = series.split('phase="', 1)[1].split('"', 1)[0]
+            kind = "seconds" if series.startswith("omlx_engine_step_seconds_sum") else "steps"
+            steps.setdefault(phase, {})[kind] = float(value)
+    return steps
+
+
+def run_one(name: str, command: list[str], port: int, log: Path, workload, args,
+            settings: dict | None = None) -> dict:
     from omlx_core.bench.serving import Server, run_serving
 
-    server = Subprocess(name, command, port, log)
+    server = Subprocess(name, command, port, log, os.environ | settings if settings else None)
+    steps = {}
     try:
         print(f"{name}: starting on port {port}", file=sys.stderr)
         startup = server.start(args.startup_timeout)
@@ -128,13 +176,15 @@ def run_one(name: str, command: list[str], port: int, log: Path, workload, args)
               f"{args.concurrency} concurrent", file=sys.stderr)
         document = run_serving(Server(server.url, None, None, args.endpoint, args.timeout),
                                workload, _progress(name) if not args.quiet else None)
+        if name != MLX_LM:
+            steps = engine_steps(server.url)
     finally:
         code = server.stop(args.stop_timeout)
     result = document["results"][0]
     print(f"{name}: {result['generation_tps'] or 0:.2f} tok/s, {result['completed']}/"
           f"{result['requests']} done, stopped (exit {code})", file=sys.stderr)
-    return {"server": name, "command": command, "startup_s": round(startup, 2),
-            "exit_code": code, "log": str(log), "result": result, "document": document}
+    return {"server": name, "command": command, "settings": settings or {}, "startup_s": round(startup, 2), "exit_code": code, "log": str(log), "result": result,
+            "engine_steps": steps, "document": document}
 
 
 def _progress(name: str):
@@ -185,15 +235,17 @@ def run(args) -> dict:
                                args.warmup, args.seed)
     logs = Path(args.log_dir) if args.log_dir else Path(tempfile.mkdtemp(prefix="omlx-bench-serve-"))
     logs.mkdir(parents=True, exist_ok=True)
-    order = [args.first, MLX_LM if args.first == OMLX else OMLX]
-    runs = {OMLX: [], MLX_LM: []}
+    baseline = baseline_name(args)
+    settings = {OMLX: settings_env(args.set, "--set"), baseline: settings_env(args.against_set, "--against-set")}
+    order = [OMLX, baseline] if args.first == OMLX else [baseline, OMLX]
+    runs = {OMLX: [], baseline: []}
     sequence = []
     for round_ in range(args.rounds):
         for name in (order if round_ % 2 == 0 else order[::-1]):
             port = free_port()
-            command = omlx_command(home, args.model, port, args.concurrency) if name == OMLX \
-                else mlx_lm_command(ref.path, port)
-            found = run_one(name, command, port, logs / f"{name}-{round_}.log", workload, args)
+            command = mlx_lm_command(ref.path, port) if name == MLX_LM \
+                else omlx_command(home, args.model, port, args.concurrency)
+            found = run_one(name, command, port, logs / f"{name}-{round_}.log", workload, args, settings[name])
             found["round"] = round_
             runs[name].append(found)
             sequence.append(name)
@@ -201,17 +253,18 @@ def run(args) -> dict:
         shutil.rmtree(logs, ignore_errors=True)
 
     summary = {name: summarize(found, args.gen) for name, found in runs.items()}
-    ours, theirs = summary[OMLX]["generation_tps"], summary[MLX_LM]["generation_tps"]
+    ours, theirs = summary[OMLX]["generation_tps"], summary[baseline]["generation_tps"]
     ratio = ours / theirs if ours and theirs else None
     per_round = [a["result"]["generation_tps"] / b["result"]["generation_tps"]
                  if a["result"]["generation_tps"] and b["result"]["generation_tps"] else None
-                 for a, b in zip(runs[OMLX], runs[MLX_LM])]
+                 for a, b in zip(runs[OMLX], runs[baseline])]
     header = runs[OMLX][0]["document"]
     return {
         "benchmark": "serve", "created": header["created"], "versions": header["versions"],
         "hardware": header["hardware"],
         "model": {"ref": args.model, "name": ref.name, "path": str(ref.path)},
         "workload": {**workload.as_dict(), "endpoint": args.endpoint, "rounds": args.rounds},
+        "baseline": baseline, "settings": settings,
         "order": sequence,
         "summary": summary,
         "ratio_generation_tps": ratio,
@@ -231,17 +284,21 @@ def _num(value, digits: int = 2) -> str:
 
 
 def final_line(report: dict) -> str:
-    s, ratio = report["summary"], report["ratio_generation_tps"]
+    s, ratio, base = report["summary"], report["ratio_generation_tps"], report["baseline"]
     conc = report["workload"]["concurrency"][0]
     shown = "-" if ratio is None else f"{ratio:.2f}"
-    return (f"omlx/mlx-lm generation tok/s ratio: {shown}× (omlx {_num(s[OMLX]['generation_tps'])} "
-            f"tok/s, mlx-lm {_num(s[MLX_LM]['generation_tps'])} tok/s, {conc} concurrent)")
+    return (f"omlx/{base} generation tok/s ratio: {shown}× (omlx {_num(s[OMLX]['generation_tps'])} "
+            f"tok/s, {base} {_num(s[base]['generation_tps'])} tok/s, {conc} concurrent)")
 
 
 def ttft_line(report: dict) -> str:
-    s = report["summary"]
+    s, base = report["summary"], report["baseline"]
     return (f"TTFT p50/p99: omlx {_ms(s[OMLX]['ttft_p50_s'])}/{_ms(s[OMLX]['ttft_p99_s'])} ms, "
-            f"mlx-lm {_ms(s[MLX_LM]['ttft_p50_s'])}/{_ms(s[MLX_LM]['ttft_p99_s'])} ms")
+            f"{base} {_ms(s[base]['ttft_p50_s'])}/{_ms(s[base]['ttft_p99_s'])} ms")
+
+
+def baseline_name(args) -> str:
+    return MLX_LM if args.against == MLX_LM else OMLX_BASELINE
 
 
 def print_table(report: dict) -> None:
@@ -254,7 +311,7 @@ def print_table(report: dict) -> None:
              f"round{'s' if w['rounds'] > 1 else ''}")
     table = Table("server", "gen tok/s", "req/s", "TTFT ms p50", "TTFT ms p99", "TPOT ms p50",
                   "tokens/req", "prompt tok", "done", "errors", "startup s", title=title)
-    for name in (OMLX, MLX_LM):
+    for name in (OMLX, report["baseline"]):
         r = s[name]
         table.add_row(name, _num(r["generation_tps"]), _num(r["request_throughput_rps"], 3),
                       _ms(r["ttft_p50_s"]), _ms(r["ttft_p99_s"]), _ms(r["tpot_p50_s"]),
@@ -267,15 +324,28 @@ def print_table(report: dict) -> None:
     if w["rounds"] > 1:
         rounds = ", ".join(_num(x) for x in report["ratio_per_round"])
         console.print(f"per-round ratios: {rounds}; order {' '.join(report['order'])}", style="dim")
-    for name in (OMLX, MLX_LM):
+    for name in (OMLX, report["baseline"]):
+        if report["settings"][name]:
+            console.print(f"{name} settings: " + " ".join(f"{k}={v}" for k, v in report["settings"][name].items()),
+                          style="dim")
         if not s[name]["reached_gen"]:
             console.print(f"note: {name} stopped before --gen {w['gen']} tokens on average "
                           f"({_num(s[name]['completion_tokens_mean'], 1)}/request)", style="yellow")
     console.print(f"{report['created']} · hardware {report['hardware']['fingerprint']} · "
                   f"omlx {report['versions']['omlx']}, mlx {report['versions']['mlx']}, "
                   f"mlx-lm {report['versions']['mlx_lm']} · {report['model']['path']}", style="dim")
+    for name, found in report["rounds"].items():
+        if found and found[-1]["engine_steps"]:
+            console.print(engine_line(name, found[-1]["engine_steps"]), style="dim")
     print(ttft_line(report))
     print(final_line(report))
+
+
+def engine_line(name: str, steps: dict) -> str:
+    """One omlx server's engine steps by phase (its last round, the warm-up included)."""
+    parts = [f"{int(s['steps'])} {phase} steps, {1000 * s.get('seconds', 0) / s['steps']:.1f} ms each"
+             for phase, s in sorted(steps.items()) if s.get("steps")]
+    return f"{name} engine (last round, warm-up included): " + "; ".join(parts)
 
 
 def main() -> None:
@@ -292,8 +362,14 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--endpoint", choices=("completions", "chat"), default="completions")
     parser.add_argument("--rounds", type=int, default=1, help="A/B rounds, order alternating (default 1)")
-    parser.add_argument("--first", choices=(MLX_LM, OMLX), default=MLX_LM,
-                        help="which server runs first in round 0 (default mlx-lm)")
+    parser.add_argument("--first", choices=("baseline", OMLX), default="baseline",
+                        help="which server runs first in round 0 (default the baseline)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="a setting of the omlx server (repeatable)")
+    parser.add_argument("--against", choices=(MLX_LM, OMLX), default=MLX_LM,
+                        help="the baseline: mlx_lm.server (default) or omlx with --against-set")
+    parser.add_argument("--against-set", action="append", default=[], metavar="KEY=VALUE",
+                        help="a setting of the baseline omlx server (repeatable; with --against omlx)")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
     parser.add_argument("--startup-timeout", type=float, default=300.0,
                         help="seconds to wait for /health 200")
@@ -309,6 +385,8 @@ def main() -> None:
             parser.error(f"--{flag}: {getattr(args, flag)} is too small; use 1 or more")
     if args.warmup < 0:
         parser.error(f"--warmup: {args.warmup} is too small; use 0 or more")
+    if args.against_set and args.against != OMLX:
+        parser.error("--against-set: the baseline is mlx_lm.server; add --against omlx")
     report = run(args)
     if args.json:
         print(json.dumps(report, indent=2))

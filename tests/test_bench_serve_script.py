@@ -1,0 +1,43 @@
+"""scripts/bench/serve.py as an A/B of one omlx setting: two real omlx servers on a tiny model."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from conftest import TINY, omlx_env
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench" / "serve.py"
+
+
+def serve_bench(home, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(SCRIPT), "--home", str(home), "--model", TINY, *args],
+                          capture_output=True, text=True, timeout=600, env=omlx_env(home))
+
+
+def test_omlx_against_omlx_with_other_settings(tiny_home):
+    done = serve_bench(tiny_home, "--concurrency", "2", "--requests", "3", "--ctx", "16", "--gen", "4",
+                       "--against", "omlx", "--set", "server.prefill_batch=1",
+                       "--against-set", "server.prefill_batch=2", "--quiet", "--json")
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    assert report["baseline"] == "omlx-baseline" and report["ratio_generation_tps"] > 0
+    assert report["settings"] == {"omlx": {"OMLX_SERVER_PREFILL_BATCH": "1"},
+                                  "omlx-baseline": {"OMLX_SERVER_PREFILL_BATCH": "2"}}
+    ours = report["rounds"]["omlx"][0]
+    # One prompt a prefill: two engine steps each (its prompt, then its first token), for the
+    # calibration request, the warm-up request and the three measured ones.
+    assert ours["engine_steps"]["prefill"]["steps"] == 2 * (1 + 1 + 3)
+    assert ours["engine_steps"]["decode"]["steps"] >= 1
+    assert report["summary"]["omlx"]["completed"] == report["summary"]["omlx-baseline"]["completed"] == 3
+
+
+def test_a_bad_setting_is_refused_before_any_server_starts(tiny_home):
+    done = serve_bench(tiny_home, "--against", "omlx", "--set", "server.prefil_batch=2")
+    assert done.returncode != 0
+    assert "--set server.prefil_batch=2: unknown setting 'server.prefil_batch'" in done.stderr
+    assert "server.prefill_batch" in done.stderr  # the close match it suggests
+    bad_value = serve_bench(tiny_home, "--against", "omlx", "--against-set", "server.prefill_batch=0")
+    assert bad_value.returncode != 0 and "--against-set server.prefill_batch=0" in bad_value.stderr
+    alone = serve_bench(tiny_home, "--against-set", "server.prefill_batch=2")
+    assert alone.returncode != 0 and "add --against omlx" in alone.stderr
