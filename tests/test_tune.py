@@ -90,15 +90,15 @@ def test_engines_are_released_before_verification(models):
 
 
 class _Slowed:
-    """A model that really takes 0.5 s longer per forward pass (a stand-in for a slow path)."""
+    """A model that really takes `delay` s longer per forward pass (a stand-in for a slow path)."""
 
-    def __init__(self, model):
-        self.model = model
+    def __init__(self, model, delay: float = 0.5):
+        self.model, self.delay = model, delay
 
     def __call__(self, *args, **kwargs):
         import time
 
-        time.sleep(0.5)
+        time.sleep(self.delay)
         return self.model(*args, **kwargs)
 
     def __getattr__(self, name):
@@ -174,3 +174,41 @@ def test_with_no_accelerator_the_share_grid_reaches_the_whole_layer(tmp_path):
     assert max(grids[True]["cpu_share.mlp_gate_up"]) < 0.5
     assert max(grids[False]["cpu_share.mlp_gate_up"]) == 1.0 == max(grids[False]["cpu_share.mlp_down"])
     assert grids[False]["cpu_share.mlp_gate_up"][0] == 0.0  # the default first
+
+
+class ForcedSlowCopy(Calibrator):
+    """The real calibrator, except that the models of `slow` (a compute.dense_copy value) run on `_Slowed`."""
+
+    slow = "on"
+
+    def _model(self, sets):
+        from dataclasses import replace
+
+        prepared = super()._model(sets)
+        slowed = _Slowed(prepared.model, delay=0.05)  # a decode step of the tiny model takes ~ms
+        return replace(prepared, model=slowed) if sets.get("compute.dense_copy") == self.slow else prepared
+
+
+class ForcedSlowWithoutCopy(ForcedSlowCopy):
+    slow = "off"
+
+
+@pytest.mark.parametrize("calibrator, choice", [(ForcedSlowCopy, "off"), (ForcedSlowWithoutCopy, "on")])
+def test_the_dense_copy_is_staged_only_when_it_decodes_faster(models, calibrator, choice):
+    document = run_tune(resolve("llama-q", models), models, Workload((96,), gen=2, repeats=1, warmup=0),
+                        budget_s=5, calibrator_class=calibrator, decode_batch=2)
+    decode = document["decode"]
+    assert decode["batch"] == 2 and decode["tokens"] >= 16
+    assert all(len(samples) == 3 for samples in decode["samples"].values())
+    assert decode["choice"] == choice and document["recommendation"]["settings"]["compute.dense_copy"] == choice
+    slower, faster = ("on", "off") if choice == "off" else ("off", "on")
+    assert max(decode["samples"][slower]) < min(decode["samples"][faster])
+    assert (decode["ratio"]["low"] > 1) == (choice == "on")
+    assert document["recommendation"]["decode_reason"] == decode["reason"]
+
+
+def test_the_dense_copy_is_left_out_for_a_model_that_is_not_quantized(models):
+    document = run_tune(resolve("llama", models), models, Workload((96,), gen=2, repeats=1, warmup=0),
+                        budget_s=5, decode_batch=2)
+    assert document["decode"] is None and "compute.dense_copy" not in document["recommendation"]["settings"]
+    assert "compute.dense_copy: left out, the checkpoint is not quantized" in document["notes"]

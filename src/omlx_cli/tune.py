@@ -1,4 +1,5 @@
-"""`omlx tune MODEL`: find the fastest prefill setup here, verify it, stage it (or --save it)."""
+"""`omlx tune MODEL`: find the fastest prefill setup here (and whether a dense copy speeds up
+batched decode), verify it, stage it (or --save it)."""
 
 from pathlib import Path
 from typing import Optional
@@ -61,12 +62,15 @@ def tune(
     repeats: int = typer.Option(3, "--repeats", help="Measured runs per length and candidate (median)."),
     warmup: int = typer.Option(1, "--warmup", help="Discarded runs per length and candidate."),
     budget_s: float = typer.Option(1800.0, "--budget-s", help="Seconds the search may take (verification after)."),
+    decode_batch: Optional[int] = typer.Option(
+        None, "--decode-batch", help="Sequences decoded together when measuring the dense copy "
+        "(compute.dense_copy, quantized models; default server.max_concurrency; 0 skips it)."),
     save: bool = typer.Option(False, "--save", help="Save the staged recommendation as the active profile."),
     profile: Optional[str] = typer.Option(None, "--profile", help="With --save: the profile's name."),
     export: Optional[Path] = typer.Option(None, "--export", help="Also write the report as TOML to FILE."),
     as_json: bool = typer.Option(False, "--json", help="Print the report as one JSON document."),
 ):
-    """Measure prefill setups on this machine, verify the best against the default, stage it."""
+    """Measure prefill setups (and a dense copy for batched decode) here, verify the best against the default, stage it."""
     from omlx_core.bench.workload import Workload
     from omlx_core.errors import InputError
     from omlx_core.models.resolve import resolve
@@ -75,6 +79,8 @@ def tune(
 
     if profile is not None and not save:
         raise InputError("--profile names the saved profile: use it with --save")
+    if decode_batch is not None and decode_batch < 0:
+        raise InputError(f"--decode-batch: {decode_batch} must be 0 (skip) or more")
     if budget_s <= 0:
         raise InputError(f"--budget-s: {budget_s:g} must be more than 0 seconds")
     home = globals_of(ctx).home
@@ -82,7 +88,7 @@ def tune(
                         1, repeats, warmup)
     ref = resolve(model, home)
     with _LiveTable(globals_of(ctx).quiet) as table:
-        document = run_tune(ref, home, workload, budget_s, table)
+        document = run_tune(ref, home, workload, budget_s, table, decode_batch=decode_batch)
     document = stage(document, home, ref.key, save, profile)
     if export is not None:
         export_toml(document, export)
@@ -92,6 +98,8 @@ def tune(
     rec = document["recommendation"]
     note(ctx, ("default kept: " if rec["is_default"] else "recommended: ") + rec["label"])
     note(ctx, rec["reason"])
+    if rec["decode_reason"]:
+        note(ctx, rec["decode_reason"])
     for line in document["notes"]:
         note(ctx, f"note: {line}")
     where = f"saved as profile {document['saved_profile']!r} (active)" if save else \

@@ -68,6 +68,18 @@ class Calibrator:
             self.loads += 1
         return self._prepared
 
+    def measure_decode(self, sets: dict[str, str], batch: int, ctx: int, tokens: int) -> tuple[float, int]:
+        """(decode tok/s, peak bytes) of `batch` sequences of `ctx` prompt tokens generating
+        `tokens` each; a fresh load's first run (its compiles) is run and discarded."""
+        loads = self.loads
+        prepared = self._model(sets)
+        prompts = synthetic_prompts(prepared.vocabulary, ctx, batch, self.workload.seed)
+        chunk = int(sets["prefill.chunk_size"])
+        for _ in range(2 if self.loads != loads else 1):
+            memory = PeakMemory()
+            run = run_generation(prepared.model, prompts, tokens, chunk, prepared.suppress, memory)
+        return run.decode_tps, run.peak_mlx_memory_bytes
+
     def release(self) -> None:
         """Drop the prepared model and give MLX's memory back."""
         self._prepared = None

@@ -15,6 +15,7 @@ from omlx_core.bench.report import finite, header
 from omlx_core.bench.variants import VariantSpec, variant_settings
 from omlx_core.bench.workload import Workload
 from omlx_core.hardware import mlx_backend
+from omlx_core.tune.decode import tune_dense_copy
 from omlx_core.tune.measure import Calibrator
 from omlx_core.tune.search import Event, tune
 from omlx_core.tune.space import search_space
@@ -46,9 +47,13 @@ def build_space(ref, settings, max_ctx: int):
 
 
 def run_tune(ref, home: Path, workload: Workload, budget_s: float,
-             on_event: Event = lambda what, result: None, calibrator_class=Calibrator) -> dict:
-    """Tune `ref` on this machine; returns the report (nothing is staged yet)."""
+             on_event: Event = lambda what, result: None, calibrator_class=Calibrator,
+             decode_batch: int | None = None) -> dict:
+    """Tune `ref` on this machine; returns the report (nothing is staged yet). Prefill first
+    (the search space); then, on a quantized checkpoint, the dense copy for batched decode at
+    `decode_batch` sequences (None: the model's server.max_concurrency; 0: not measured)."""
     from omlx_core.memory.capacity import total_memory_bytes, watermark_bytes
+    from omlx_core.models.checkpoint import read_config
     from omlx_core.models.fingerprint import model_fingerprint
 
     settings = variant_settings(home, ref.key, VariantSpec())
@@ -58,6 +63,16 @@ def run_tune(ref, home: Path, workload: Workload, budget_s: float,
     calibrator = calibrator_class(
         ref, lambda sets: variant_settings(home, ref.key, VariantSpec(None, sets)), workload, hard)
     outcome = tune(space, calibrator, max_ctx, budget_s, on_event)
+    recommended = outcome.recommended.settings()
+    batch = int(settings["server.max_concurrency"]) if decode_batch is None else decode_batch
+    decode = None
+    if read_config(ref.path).get("quantization") is None:
+        outcome.notes.append("compute.dense_copy: left out, the checkpoint is not quantized")
+    elif batch < 1:
+        outcome.notes.append("compute.dense_copy: not measured (--decode-batch 0)")
+    else:
+        decode = tune_dense_copy(calibrator, recommended, batch, on_event=on_event)
+        recommended["compute.dense_copy"] = decode.choice
     best = outcome.best
     verified = outcome.verification.get("default" if outcome.is_default else "recommended")
     document = header("tune")
@@ -72,8 +87,11 @@ def run_tune(ref, home: Path, workload: Workload, budget_s: float,
         "best": best.as_dict(), "default": outcome.default.as_dict(),
         "verification": outcome.verification, "memory": outcome.memory,
         "hard_watermark_bytes": hard, "model_loads": calibrator.loads,
+        "decode": decode.as_dict() if decode else None,
         "recommendation": {
-            "settings": outcome.recommended.settings(), "label": outcome.recommended.label,
+            "settings": recommended,
+            "label": outcome.recommended.label + (f" dense_copy={decode.choice}" if decode else ""),
+            "decode_reason": decode.reason if decode else None,
             "is_default": outcome.is_default, "reason": outcome.reason,
             "verified_prefill_tps": (verified or outcome.default.as_dict())["prefill_tps"],
             "best_measured_prefill_tps": best.prefill_tps,
