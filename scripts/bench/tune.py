@@ -12,7 +12,7 @@ generated Qwen3-8B-shape 4-bit g64 checkpoint (random weights, built once under
 --workdir, as scripts/bench/prefill_paths.py builds it), `--tiny` for a tiny one.
 
     .venv/bin/python scripts/bench/tune.py [--model M | --shape dense [--tiny]] [--ctx 4k,16k]
-        [--gen 8] [--repeats 3] [--budget-s 900] [--json]
+        [--gen 8] [--repeats 3] [--budget-s 900] [--decode-batch N] [--json]
 """
 
 import argparse
@@ -34,6 +34,8 @@ def main() -> None:
     parser.add_argument("--gen", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--budget-s", type=float, default=900)
+    parser.add_argument("--decode-batch", type=int, default=None,
+                        help="sequences of the dense-copy decode measurement (default server.max_concurrency; 0 skips)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
 
@@ -58,7 +60,7 @@ def main() -> None:
         line = what if result is None else f"  {result.label}: {result.prefill_tps:,.1f} tok/s"
         print(line, file=sys.stderr, flush=True)
 
-    document = run_tune(ref, home, workload, args.budget_s, progress)
+    document = run_tune(ref, home, workload, args.budget_s, progress, decode_batch=args.decode_batch)
     rec = document["recommendation"]
     measured_best = document["best"]["prefill_tps"]
     verified = rec["verified_prefill_tps"]
@@ -80,6 +82,8 @@ def main() -> None:
         print(f"  {c['prefill_tps']:>10,.1f} tok/s  {per:30s}  {c['label']}"
               + (f"  [rejected: {c['rejected']}]" if c["rejected"] else ""))
     print(f"recommendation: {rec['label']} ({'default' if rec['is_default'] else 'changed'}); {rec['reason']}")
+    if rec["decode_reason"]:
+        print(f"decode: compute.dense_copy={rec['settings']['compute.dense_copy']}; {rec['decode_reason']}")
     print(f"checks: {json.dumps(document['checks'])}")
     for note in document["notes"]:
         print(f"note: {note}")
