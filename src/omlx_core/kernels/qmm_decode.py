@@ -131,10 +131,10 @@ def shape_changes(model, limit: int) -> list[int]:
 # fastest of SWEEP in scripts/bench/decode.py by GPU time of the three Qwen3-8B layer shapes
 # chained in one CUDA graph, weighted as a decoder layer uses them (docs/benchmarks/decode-h200-layers-sweep.json;
 # the sweep of the current kernel, with 10 more candidates for 9-64 tokens, kept every one of them:
-# decode-h200-staging.json, last run; several column tiles per CTA lost at every shape, and went).
-# SL = 8 from 9 tokens:
-# the staging's wait on x was a quarter of the 32-token kernel (decode-h200-qmm-ncu.json); in the
-# chained timings it won at 16 tokens and was within the run's noise at 32 and 64.
+# decode-h200-staging.json, last run; several column tiles per CTA lost at every shape and were
+# removed). SL = 8 from 9 tokens: the staging's wait on x was a quarter of the 32-token kernel
+# (decode-h200-qmm-ncu.json); in the chained timings it won at 16 tokens and was within the
+# run's noise at 32 and 64.
 DEFAULTS = {1: (1, 2, 4, 2, 4096, 3), 2: (1, 4, 2, 2, 1024, 2, 8), 4: (1, 4, 2, 1, 1024, 3, 8),
             8: (1, 8, 1, 1, 512, 2, 8)}
 
