@@ -35,7 +35,7 @@ Order: round r runs the two servers in the order --first, other when r is even a
 reverse when it is odd (A B, B A, A B, …), so slow drift (thermal, page cache, another job)
 falls on both sides alike over an even number of rounds. Each figure is the median over
 --rounds of the per-round figure (TTFT p50/p99 are medians of the per-round percentiles);
-the ratio is median omlx tok/s / median mlx-lm tok/s.
+the ratio is median omlx tok/s / median baseline tok/s.
 
     .venv/bin/python scripts/bench/serve.py [--model default] [--concurrency 8] [--requests 32]
         [--ctx 128] [--gen 64] [--rounds 1] [--endpoint completions|chat] [--set KEY=VALUE ...]
@@ -183,8 +183,8 @@ def run_one(name: str, command: list[str], port: int, log: Path, workload, args,
     result = document["results"][0]
     print(f"{name}: {result['generation_tps'] or 0:.2f} tok/s, {result['completed']}/"
           f"{result['requests']} done, stopped (exit {code})", file=sys.stderr)
-    return {"server": name, "command": command, "settings": settings or {}, "startup_s": round(startup, 2), "exit_code": code, "log": str(log), "result": result,
-            "engine_steps": steps, "document": document}
+    return {"server": name, "command": command, "settings": settings or {}, "startup_s": round(startup, 2),
+            "exit_code": code, "log": str(log), "result": result, "engine_steps": steps, "document": document}
 
 
 def _progress(name: str):

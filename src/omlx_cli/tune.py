@@ -70,7 +70,7 @@ def tune(
     export: Optional[Path] = typer.Option(None, "--export", help="Also write the report as TOML to FILE."),
     as_json: bool = typer.Option(False, "--json", help="Print the report as one JSON document."),
 ):
-    """Measure prefill setups (and a dense copy for batched decode) here, verify the best against the default, stage it."""
+    """Measure prefill setups (and a dense copy for batched decode) here, verify, stage the best."""
     from omlx_core.bench.workload import Workload
     from omlx_core.errors import InputError
     from omlx_core.models.resolve import resolve
