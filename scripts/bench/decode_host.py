@@ -1,0 +1,238 @@
+#!/usr/bin/env python
+"""The host's share of a batched decode step: where its milliseconds go before the GPU runs.
+
+Why: at 32 sequences the Qwen3-8B-shape decode step on the H200 takes as long on the host
+(Python building the graph, then MLX encoding it) as on the GPU (about 10.7 ms each,
+docs/benchmarks/decode-h200-model-graphs.json), so a faster kernel alone does not make
+`omlx serve` faster. This times the host on a model with the real layer count and head
+layout but small matrices (the host's work does not grow with them), decoding on
+BatchKVCache as `omlx serve` does:
+
+  build      the step's Python (the graph built, nothing run)
+  encode     what mx.async_eval takes to hand the step to the GPU
+  wait       from there until the step is done
+  pipelined  a step while the next one is built and encoded (mlx-lm's generators)
+
+for `stock` (mlx-lm's modules) and `kernels` (qmm_decode's grouped launches and
+sdpa_decode installed: CUDA only, reported as skipped elsewhere). `--native-profile FILE`
+then samples a pipelined loop of the last variant with py-spy (--native: MLX's C++ frames
+too) and prints the frames that hold the host longest.
+
+    python scripts/bench/decode_host.py [--variants stock,kernels] [--batch 32] [--layers 36]
+        [--hidden 1024] [--ctx 128] [--steps 32] [--native-profile FILE] [--seconds 10] [--json]
+"""
+
+import argparse
+import collections
+import json
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+VARIANTS = ("stock", "kernels")
+
+
+def build_model(layers: int, hidden: int):
+    """A random 4-bit g64 bf16 Qwen3 model: `layers` layers, Qwen3-8B's head layout
+    (head dim 128, 4 query heads per key/value head) on `hidden` channels."""
+    import mlx.core as mx
+    import mlx.nn as nn
+    from mlx_lm.models import qwen3
+
+    heads = max(hidden // 128, 4)
+    args = qwen3.ModelArgs(model_type="qwen3", hidden_size=hidden, num_hidden_layers=layers,
+                           intermediate_size=3 * hidden, num_attention_heads=heads,
+                           num_key_value_heads=max(heads // 4, 1), rms_norm_eps=1e-6, vocab_size=4096,
+                           max_position_embeddings=32768, rope_theta=1e6, head_dim=128, tie_word_embeddings=False)
+    mx.random.seed(0)
+    model = qwen3.Model(args)
+    model.set_dtype(mx.bfloat16)
+    nn.quantize(model, group_size=64, bits=4)
+    mx.eval(model.parameters())
+    return model
+
+
+def install(model, variant: str) -> str:
+    """Put `variant` in place; empty, or why it cannot run here."""
+    if variant == "stock":
+        return ""
+    from omlx_core.kernels import qmm_decode, sdpa_decode
+
+    if why := qmm_decode.kernel_available():
+        return why
+    qmm_decode.install(model, formats=qmm_decode.ALL_FORMATS, min_tokens=1)
+    sdpa_decode.install(model)
+    return ""
+
+
+def prefilled(model, batch: int, ctx: int):
+    import mlx.core as mx
+    from mlx_lm.models.cache import BatchKVCache
+
+    cache = [BatchKVCache(left_padding=[0] * batch) for _ in model.layers]
+    mx.eval(model(mx.zeros((batch, ctx), dtype=mx.int32), cache=cache))
+    return cache
+
+
+def step(model, cache, tokens):
+    """One greedy step of every sequence (lazy): the next [batch, 1] tokens."""
+    import mlx.core as mx
+
+    return mx.argmax(model(tokens, cache=cache)[:, -1, :], axis=-1, keepdims=True).astype(mx.int32)
+
+
+def host_times(model, batch: int, ctx: int, steps: int) -> dict:
+    """Median milliseconds of `build`, `encode` and `wait` over `steps` waited-for steps,
+    and the mean of a pipelined step."""
+    import mlx.core as mx
+
+    cache = prefilled(model, batch, ctx)
+    tokens = mx.zeros((batch, 1), dtype=mx.int32)
+    for _ in range(4):  # compiles, warms the allocator
+        tokens = step(model, cache, tokens)
+        mx.eval(tokens)
+    parts = {"build": [], "encode": [], "wait": []}
+    for _ in range(steps):
+        begin = time.perf_counter()
+        following = step(model, cache, tokens)
+        built = time.perf_counter()
+        mx.async_eval(following)
+        encoded = time.perf_counter()
+        mx.eval(following)
+        done = time.perf_counter()
+        for name, seconds in (("build", built - begin), ("encode", encoded - built), ("wait", done - encoded)):
+            parts[name].append(seconds)
+        tokens = following
+    mx.synchronize()
+    start = time.perf_counter()
+    for _ in range(steps):
+        following = step(model, cache, tokens)
+        mx.async_eval(following)
+        mx.eval(tokens)
+        tokens = following
+    mx.eval(tokens)
+    pipelined = (time.perf_counter() - start) / steps
+    row = {f"{name}_ms": round(statistics.median(values) * 1e3, 3) for name, values in parts.items()}
+    return {**row, "pipelined_ms": round(pipelined * 1e3, 3)}
+
+
+def loop(model, batch: int, ctx: int, seconds: float) -> int:
+    """Pipelined steps for `seconds` (what the profiler samples); the cache is trimmed
+    back every 256 steps so it stays near `ctx`. Returns the steps run."""
+    import mlx.core as mx
+
+    cache = prefilled(model, batch, ctx)
+    tokens = mx.zeros((batch, 1), dtype=mx.int32)
+    end, count = time.time() + seconds, 0
+    while time.time() < end:
+        following = step(model, cache, tokens)
+        mx.async_eval(following)
+        mx.eval(tokens)
+        tokens, count = following, count + 1
+        if count % 256 == 0:
+            mx.eval(tokens)
+            for layer_cache in cache:
+                layer_cache.trim(256)
+    mx.eval(tokens)
+    return count
+
+
+def summarize(raw: str, within: str = "loop (", top: int = 25) -> dict:
+    """py-spy's raw output (one `frame;frame;... count` line per stack) as the share of
+    samples each frame holds: `leaf` (where the host is) and `inclusive` (under which call),
+    of the samples under a frame starting with `within` (the decode loop, not the imports
+    and the model's making before it)."""
+    leaf, inclusive, total, everything = collections.Counter(), collections.Counter(), 0, 0
+    for line in raw.splitlines():
+        stack, _, count = line.rstrip().rpartition(" ")
+        if not stack or not count.isdigit():
+            continue
+        everything += int(count)
+        frames = stack.split(";")
+        if not any(frame.startswith(within) for frame in frames):
+            continue
+        total += int(count)
+        leaf[frames[-1]] += int(count)
+        for frame in set(frames):
+            inclusive[frame] += int(count)
+
+    def shares(counter):
+        return [{"frame": frame, "pct": round(100 * n / total, 1)} for frame, n in counter.most_common(top)]
+
+    return {"samples": total, "all_samples": everything, "leaf": shares(leaf) if total else [],
+            "inclusive": shares(inclusive) if total else []}
+
+
+def native_profile(args, variant: str, out: Path) -> dict:
+    spy = shutil.which("py-spy")
+    if spy is None:
+        return {"skipped": "py-spy not found (pip install py-spy)"}
+    command = [spy, "record", "--native", "--rate", "1000", "--format", "raw", "-o", str(out), "--",
+               sys.executable, __file__, "--loop", variant, "--batch", str(args.batch), "--layers", str(args.layers),
+               "--hidden", str(args.hidden), "--ctx", str(args.ctx), "--seconds", str(args.seconds)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=args.seconds + 300)
+    if done.returncode != 0 or not out.is_file():
+        return {"skipped": f"py-spy exited {done.returncode}: {(done.stderr or done.stdout)[-600:]}"}
+    return {"variant": variant, "file": str(out), **summarize(out.read_text())}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--layers", type=int, default=36)
+    parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--ctx", type=int, default=128)
+    parser.add_argument("--steps", type=int, default=32)
+    parser.add_argument("--native-profile", default=None, metavar="FILE")
+    parser.add_argument("--seconds", type=float, default=10.0)
+    parser.add_argument("--loop", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    if args.loop:
+        model = build_model(args.layers, args.hidden)
+        install(model, args.loop)
+        print(f"steps {loop(model, args.batch, args.ctx, args.seconds)}")
+        return
+    variants = [v for v in args.variants.split(",") if v]
+    if unknown := [v for v in variants if v not in VARIANTS]:
+        parser.error(f"--variants: unknown {', '.join(unknown)} (choose from {', '.join(VARIANTS)})")
+    from omlx_core.hardware import mlx_backend
+
+    result = {"batch": args.batch, "layers": args.layers, "hidden": args.hidden, "ctx": args.ctx,
+              "backend": mlx_backend(), "rows": []}
+    ran = None
+    for variant in variants:
+        model = build_model(args.layers, args.hidden)
+        if why := install(model, variant):
+            result["rows"].append({"variant": variant, "skipped": why})
+            continue
+        result["rows"].append({"variant": variant, **host_times(model, args.batch, args.ctx, args.steps)})
+        ran = variant
+        del model
+    if args.native_profile and ran:
+        result["native_profile"] = native_profile(args, ran, Path(args.native_profile))
+    if args.json:
+        print(json.dumps(result, indent=1))
+        return
+    for row in result["rows"]:
+        if "skipped" in row:
+            print(f"{row['variant']:8} skipped: {row['skipped']}")
+        else:
+            print(f"{row['variant']:8} build {row['build_ms']:.2f} ms, encode {row['encode_ms']:.2f}, "
+                  f"wait {row['wait_ms']:.2f}; pipelined {row['pipelined_ms']:.2f} ms a step")
+    profile = result.get("native_profile")
+    if profile:
+        if "skipped" in profile:
+            print(f"native profile skipped: {profile['skipped']}")
+        else:
+            print(f"native profile of {profile['variant']} ({profile['samples']} samples, {profile['file']}):")
+            for entry in profile["inclusive"]:
+                print(f"  {entry['pct']:5.1f}%  {entry['frame'][:120]}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,55 @@
+"""decode_host.py: its profile reader on py-spy's raw format, and a real run of the stock
+variant on a tiny model (the kernels variant needs CUDA: reported as skipped here)."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "scripts" / "bench"))
+
+import decode_host  # noqa: E402
+
+RAW = """<module> (decode_host.py:238);main (decode_host.py:198);build_model (decode_host.py:43) 50
+<module> (decode_host.py:238);main (decode_host.py:198);loop (decode_host.py:132);mlx::core::async_eval (libmlx.so);mlx::core::eval_impl (libmlx.so) 30
+<module> (decode_host.py:238);main (decode_host.py:198);loop (decode_host.py:131);step (decode_host.py:84);Model.__call__ (mlx_lm/models/qwen3.py:189) 10
+not a stack line
+"""
+
+
+def test_summarize_counts_only_the_loop_and_ranks_frames():
+    summary = decode_host.summarize(RAW)
+    assert (summary["samples"], summary["all_samples"]) == (40, 90)
+    assert summary["leaf"][0] == {"frame": "mlx::core::eval_impl (libmlx.so)", "pct": 75.0}
+    inclusive = {entry["frame"]: entry["pct"] for entry in summary["inclusive"]}
+    assert inclusive["main (decode_host.py:198)"] == 100.0
+    assert inclusive["mlx::core::async_eval (libmlx.so)"] == 75.0
+    assert "build_model (decode_host.py:43)" not in inclusive
+
+
+def test_summarize_of_no_loop_samples_is_empty():
+    assert decode_host.summarize("main (x.py:1) 5\n") == {"samples": 0, "all_samples": 5, "leaf": [], "inclusive": []}
+
+
+def run(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(ROOT / "scripts" / "bench" / "decode_host.py"), *args],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+
+
+def test_stock_step_is_timed_and_the_kernels_say_why_not():
+    done = run("--batch", "2", "--layers", "2", "--hidden", "128", "--ctx", "8", "--steps", "3", "--json")
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout)
+    stock, kernels = result["rows"]
+    assert stock["variant"] == "stock"
+    assert all(stock[key] > 0 for key in ("build_ms", "encode_ms", "wait_ms", "pipelined_ms"))
+    if result["backend"] != "cuda":
+        assert kernels == {"variant": "kernels", "skipped": kernels["skipped"]}
+        assert "CUDA" in kernels["skipped"]
+
+
+def test_unknown_variant_is_refused_by_name():
+    done = run("--variants", "stock,fast")
+    assert done.returncode == 2
+    assert "--variants: unknown fast" in done.stderr
