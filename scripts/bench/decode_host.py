@@ -10,11 +10,12 @@ BatchKVCache as `omlx serve` does:
 
   build      the step's Python (the graph built, nothing run)
   encode     what mx.async_eval takes to hand the step to the GPU
-  wait       from there until the step is done
+  wait       the rest of a waited-for step: the GPU's time after the encoding
   pipelined  a step while the next one is built and encoded (mlx-lm's generators)
 
 for `stock` (mlx-lm's modules) and `kernels` (qmm_decode's grouped launches and
-sdpa_decode installed: CUDA only, reported as skipped elsewhere). `--native-profile FILE`
+sdpa_decode installed: CUDA only, reported as skipped elsewhere), as decode.py's model part
+measures them (`decode_step_seconds`) on this smaller model. `--native-profile FILE`
 then samples a pipelined loop of the last variant with py-spy (--native: MLX's C++ frames
 too) and prints the frames that hold the host longest.
 
@@ -26,7 +27,6 @@ import argparse
 import collections
 import json
 import shutil
-import statistics
 import subprocess
 import sys
 import time
@@ -77,58 +77,28 @@ def prefilled(model, batch: int, ctx: int):
     return cache
 
 
-def step(model, cache, tokens):
-    """One greedy step of every sequence (lazy): the next [batch, 1] tokens."""
-    import mlx.core as mx
-
-    return mx.argmax(model(tokens, cache=cache)[:, -1, :], axis=-1, keepdims=True).astype(mx.int32)
-
-
 def host_times(model, batch: int, ctx: int, steps: int) -> dict:
-    """Median milliseconds of `build`, `encode` and `wait` over `steps` waited-for steps,
-    and the mean of a pipelined step."""
-    import mlx.core as mx
+    """decode.py's measure of a step (`decode_step_seconds`, median of 3 repeats of `steps`
+    steps) in milliseconds, the wait for the GPU apart: what is left of the waited-for step
+    once its Python and MLX's encoding are taken out."""
+    from decode import decode_step_seconds
 
-    cache = prefilled(model, batch, ctx)
-    tokens = mx.zeros((batch, 1), dtype=mx.int32)
-    for _ in range(4):  # compiles, warms the allocator
-        tokens = step(model, cache, tokens)
-        mx.eval(tokens)
-    parts = {"build": [], "encode": [], "wait": []}
-    for _ in range(steps):
-        begin = time.perf_counter()
-        following = step(model, cache, tokens)
-        built = time.perf_counter()
-        mx.async_eval(following)
-        encoded = time.perf_counter()
-        mx.eval(following)
-        done = time.perf_counter()
-        for name, seconds in (("build", built - begin), ("encode", encoded - built), ("wait", done - encoded)):
-            parts[name].append(seconds)
-        tokens = following
-    mx.synchronize()
-    start = time.perf_counter()
-    for _ in range(steps):
-        following = step(model, cache, tokens)
-        mx.async_eval(following)
-        mx.eval(tokens)
-        tokens = following
-    mx.eval(tokens)
-    pipelined = (time.perf_counter() - start) / steps
-    row = {f"{name}_ms": round(statistics.median(values) * 1e3, 3) for name, values in parts.items()}
-    return {**row, "pipelined_ms": round(pipelined * 1e3, 3)}
+    seconds = decode_step_seconds(model, prefilled(model, batch, ctx), batch, steps, repeats=3)
+    seconds["wait"] = seconds.pop("sync") - seconds["build"] - seconds["encode"]
+    return {f"{name}_ms": round(seconds[name] * 1e3, 3) for name in ("build", "encode", "wait", "pipelined")}
 
 
 def loop(model, batch: int, ctx: int, seconds: float) -> int:
     """Pipelined steps for `seconds` (what the profiler samples); the cache is trimmed
     back every 256 steps so it stays near `ctx`. Returns the steps run."""
     import mlx.core as mx
+    from decode import greedy_step
 
     cache = prefilled(model, batch, ctx)
     tokens = mx.zeros((batch, 1), dtype=mx.int32)
     end, count = time.time() + seconds, 0
     while time.time() < end:
-        following = step(model, cache, tokens)
+        following = greedy_step(model, cache, tokens)
         mx.async_eval(following)
         mx.eval(tokens)
         tokens, count = following, count + 1
