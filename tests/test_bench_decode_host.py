@@ -49,6 +49,24 @@ def test_stock_step_is_timed_and_the_kernels_say_why_not():
         assert "CUDA" in kernels["skipped"]
 
 
+def test_python_profile_ranks_the_models_own_functions():
+    done = run("--variants", "stock", "--batch", "2", "--layers", "2", "--hidden", "128", "--ctx", "8",
+               "--steps", "3", "--python-profile", "--json")
+    assert done.returncode == 0, done.stderr
+    profile = json.loads(done.stdout)["python_profile"]
+    assert profile["variant"] == "stock" and profile["steps"] == 3
+    functions = profile["functions"]
+    assert [row["self_us"] for row in functions] == sorted((row["self_us"] for row in functions), reverse=True)
+    step = next(row for row in functions if row["function"].startswith("greedy_step (bench/decode.py:"))
+    assert step["calls"] == 1 and step["total_us"] >= max(row["self_us"] for row in functions)
+    assert any(row["function"].startswith("__call__ (models/qwen3.py:") for row in functions)
+
+
+def test_function_label_names_a_builtin_and_a_file():
+    assert decode_host.function_label(("~", 0, "<built-in method builtins.len>")) == "<built-in method builtins.len>"
+    assert decode_host.function_label(("/a/b/models/qwen3.py", 70, "__call__")) == "__call__ (models/qwen3.py:70)"
+
+
 def test_unknown_variant_is_refused_by_name():
     done = run("--variants", "stock,fast")
     assert done.returncode == 2

@@ -15,17 +15,23 @@ BatchKVCache as `omlx serve` does:
 
 for `stock` (mlx-lm's modules) and `kernels` (qmm_decode's grouped launches and
 sdpa_decode installed: CUDA only, reported as skipped elsewhere), as decode.py's model part
-measures them (`decode_step_seconds`) on this smaller model. `--native-profile FILE`
-then samples a pipelined loop of the last variant with py-spy (--native: MLX's C++ frames
-too) and prints the frames that hold the host longest.
+measures them (`decode_step_seconds`) on this smaller model. For the last variant run:
+
+  --python-profile   cProfile over pipelined steps: each Python function's own
+                     microseconds a step (where `build` goes)
+  --native-profile   py-spy --native attached to a warmed-up pipelined loop (MLX's C++
+                     frames too: where `encode` goes), the frames that hold the host longest
 
     python scripts/bench/decode_host.py [--variants stock,kernels] [--batch 32] [--layers 36]
-        [--hidden 1024] [--ctx 128] [--steps 32] [--native-profile FILE] [--seconds 10] [--json]
+        [--hidden 1024] [--ctx 128] [--steps 32] [--python-profile] [--native-profile FILE]
+        [--seconds 10] [--json]
 """
 
 import argparse
 import collections
+import cProfile
 import json
+import pstats
 import shutil
 import subprocess
 import sys
@@ -88,14 +94,19 @@ def host_times(model, batch: int, ctx: int, steps: int) -> dict:
     return {f"{name}_ms": round(seconds[name] * 1e3, 3) for name in ("build", "encode", "wait", "pipelined")}
 
 
-def loop(model, batch: int, ctx: int, seconds: float) -> int:
-    """Pipelined steps for `seconds` (what the profiler samples); the cache is trimmed
-    back every 256 steps so it stays near `ctx`. Returns the steps run."""
+def loop(model, batch: int, ctx: int, seconds: float, warm_steps: int = 8) -> int:
+    """Pipelined steps for `seconds` after `warm_steps` (the kernels compiled), announced
+    by a `ready` line on stdout (when a profiler may attach); the cache is trimmed back
+    every 256 steps so it stays near `ctx`. Returns the steps run."""
     import mlx.core as mx
     from decode import greedy_step
 
     cache = prefilled(model, batch, ctx)
     tokens = mx.zeros((batch, 1), dtype=mx.int32)
+    for _ in range(warm_steps):
+        tokens = greedy_step(model, cache, tokens)
+    mx.eval(tokens)
+    print("ready", flush=True)
     end, count = time.time() + seconds, 0
     while time.time() < end:
         following = greedy_step(model, cache, tokens)
@@ -108,6 +119,44 @@ def loop(model, batch: int, ctx: int, seconds: float) -> int:
                 layer_cache.trim(256)
     mx.eval(tokens)
     return count
+
+
+def python_profile(model, batch: int, ctx: int, steps: int, top: int = 25) -> dict:
+    """cProfile over `steps` pipelined steps (after a warm-up): per Python function its own
+    time (`self_us`) and with its callees (`total_us`), in microseconds a step, ranked by
+    own time. cProfile does not see into MLX's (nanobind) calls: an op's time is its
+    caller's own, and mx.async_eval and mx.eval, called here, are left out (`step_us` is
+    the step's build)."""
+    import mlx.core as mx
+    from decode import greedy_step
+
+    cache = prefilled(model, batch, ctx)
+    tokens = greedy_step(model, cache, mx.zeros((batch, 1), dtype=mx.int32))
+    mx.eval(tokens)
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(steps):
+        following = greedy_step(model, cache, tokens)
+        mx.async_eval(following)
+        mx.eval(tokens)
+        tokens = following
+    mx.eval(tokens)
+    profiler.disable()
+    stats = pstats.Stats(profiler).stats  # (file, line, name) -> (calls, primitive, own s, total s, callers)
+    rows = [{"function": function_label(key), "calls": calls / steps, "self_us": own * 1e6 / steps,
+             "total_us": total * 1e6 / steps} for key, (calls, _, own, total, _) in stats.items()]
+    rows.sort(key=lambda row: -row["self_us"])
+    return {"steps": steps, "step_us": sum(row["self_us"] for row in rows),
+            "functions": [{k: round(v, 1) if isinstance(v, float) else v for k, v in row.items()}
+                          for row in rows[:top]]}
+
+
+def function_label(key: tuple) -> str:
+    """`name (file:line)` of a pstats key, the file as its last two path parts."""
+    file, line, name = key
+    if file == "~":
+        return name  # a built-in (an MLX op, mx.eval): pstats writes "<method 'x' of ...>"
+    return f"{name} ({'/'.join(Path(file).parts[-2:])}:{line})"
 
 
 def summarize(raw: str, within: str = "loop (", top: int = 25) -> dict:
@@ -137,13 +186,24 @@ def summarize(raw: str, within: str = "loop (", top: int = 25) -> dict:
 
 
 def native_profile(args, variant: str, out: Path) -> dict:
+    """py-spy --native attached to a pipelined loop of `variant` in a child process once it
+    is warm: sampling from the start would also sample the imports, the model's making and
+    NVRTC's compiles, which native unwinding slows many times over."""
     spy = shutil.which("py-spy")
     if spy is None:
         return {"skipped": "py-spy not found (pip install py-spy)"}
-    command = [spy, "record", "--native", "--rate", "1000", "--format", "raw", "-o", str(out), "--",
-               sys.executable, __file__, "--loop", variant, "--batch", str(args.batch), "--layers", str(args.layers),
-               "--hidden", str(args.hidden), "--ctx", str(args.ctx), "--seconds", str(args.seconds)]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=args.seconds + 300)
+    child = subprocess.Popen([sys.executable, __file__, "--loop", variant, "--batch", str(args.batch),
+                              "--layers", str(args.layers), "--hidden", str(args.hidden), "--ctx", str(args.ctx),
+                              "--seconds", str(args.seconds + 5)], stdout=subprocess.PIPE, text=True)
+    try:
+        if child.stdout.readline().strip() != "ready":
+            return {"skipped": f"the profiled loop exited {child.wait()} before it was ready"}
+        done = subprocess.run([spy, "record", "--native", "--rate", "200", "--format", "raw", "--pid",
+                               str(child.pid), "--duration", str(int(args.seconds)), "-o", str(out)],
+                              capture_output=True, text=True, timeout=args.seconds + 120)
+    finally:
+        child.kill()
+        child.wait()
     if done.returncode != 0 or not out.is_file():
         return {"skipped": f"py-spy exited {done.returncode}: {(done.stderr or done.stdout)[-600:]}"}
     return {"variant": variant, "file": str(out), **summarize(out.read_text())}
@@ -157,6 +217,7 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--ctx", type=int, default=128)
     parser.add_argument("--steps", type=int, default=32)
+    parser.add_argument("--python-profile", action="store_true")
     parser.add_argument("--native-profile", default=None, metavar="FILE")
     parser.add_argument("--seconds", type=float, default=10.0)
     parser.add_argument("--loop", default=None, help=argparse.SUPPRESS)
@@ -181,6 +242,9 @@ def main() -> None:
             result["rows"].append({"variant": variant, "skipped": why})
             continue
         result["rows"].append({"variant": variant, **host_times(model, args.batch, args.ctx, args.steps)})
+        if args.python_profile:
+            result["python_profile"] = {"variant": variant,
+                                        **python_profile(model, args.batch, args.ctx, args.steps)}
         ran = variant
         del model
     if args.native_profile and ran:
@@ -194,6 +258,11 @@ def main() -> None:
         else:
             print(f"{row['variant']:8} build {row['build_ms']:.2f} ms, encode {row['encode_ms']:.2f}, "
                   f"wait {row['wait_ms']:.2f}; pipelined {row['pipelined_ms']:.2f} ms a step")
+    if profile := result.get("python_profile"):
+        print(f"python profile of {profile['variant']} ({profile['step_us']:.0f} us a step in "
+              f"{profile['steps']} steps; own time, with callees):")
+        for row in profile["functions"]:
+            print(f"  {row['self_us']:8.1f} {row['total_us']:8.1f} us  {row['calls']:6.1f}x  {row['function'][:100]}")
     profile = result.get("native_profile")
     if profile:
         if "skipped" in profile:
