@@ -350,24 +350,40 @@ __device__ __forceinline__ void qmm_decode(
   __syncthreads();
   if (!last_arrival) return;
   __threadfence();
-  for (int idx = threadIdx.x; idx < M * BN; idx += blockDim.x) {
-    const int m = idx / BN, c = idx - m * BN;
-    if (c < width) {
-      // The slices in order, four loads in flight at a time.
-      const float* p = partial + (size_t)m * N + col0 + c;
-      const size_t stride = (size_t)M * N;
-      float sum = 0.0f;
-      int s = 0;
-      for (; s + 4 <= splits; s += 4) {
-        const float a = __ldcg(p + s * stride), b = __ldcg(p + (s + 1) * stride);
-        const float d = __ldcg(p + (s + 2) * stride), e = __ldcg(p + (s + 3) * stride);
-        sum += a;
-        sum += b;
-        sum += d;
-        sum += e;
-      }
-      for (; s < splits; ++s) sum += __ldcg(p + s * stride);
-      out[(size_t)m * N + col0 + c] = from_float<T>(sum);
+  // Each output adds the slices in order (a result that does not depend on which CTA came
+  // last). A thread takes OUTS outputs at once and loads four slices of each before adding:
+  // 4 * OUTS loads in flight from L2. With four (one output at a time) the loads of the sum
+  // were a quarter of the 64-token kernel's stall samples on an H100
+  // (docs/benchmarks/decode-h100-profile.json).
+  constexpr int OUTS = 4;
+  const size_t stride = (size_t)M * N;
+  for (int base = threadIdx.x; base < M * BN; base += OUTS * blockDim.x) {
+    const float* p[OUTS];
+    bool live[OUTS];
+    float sum[OUTS];
+#pragma unroll
+    for (int o = 0; o < OUTS; ++o) {
+      const int idx = base + o * blockDim.x, m = idx / BN, c = idx - m * BN;
+      live[o] = idx < M * BN && c < width;
+      p[o] = partial + (size_t)(live[o] ? m : 0) * N + col0 + (live[o] ? c : 0);
+      sum[o] = 0.0f;
+    }
+    for (int s = 0; s < splits; s += 4) {
+      float v[4][OUTS];
+#pragma unroll
+      for (int q = 0; q < 4; ++q)
+#pragma unroll
+        for (int o = 0; o < OUTS; ++o) v[q][o] = live[o] && s + q < splits ? __ldcg(p[o] + (s + q) * stride) : 0.0f;
+#pragma unroll
+      for (int q = 0; q < 4; ++q)
+#pragma unroll
+        for (int o = 0; o < OUTS; ++o)
+          if (s + q < splits) sum[o] += v[q][o];
+    }
+#pragma unroll
+    for (int o = 0; o < OUTS; ++o) {
+      const int idx = base + o * blockDim.x, m = idx / BN, c = idx - m * BN;
+      if (live[o]) out[(size_t)m * N + col0 + c] = from_float<T>(sum[o]);
     }
   }
   if (threadIdx.x == 0) atomicExch(const_cast<int32_t*>(locks) + tile, 0);
