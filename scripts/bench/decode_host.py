@@ -155,7 +155,7 @@ def function_label(key: tuple) -> str:
     """`name (file:line)` of a pstats key, the file as its last two path parts."""
     file, line, name = key
     if file == "~":
-        return name  # a built-in (an MLX op, mx.eval): pstats writes "<method 'x' of ...>"
+        return name  # a built-in (len, dict.get): pstats names it "<built-in method ...>"
     return f"{name} ({'/'.join(Path(file).parts[-2:])}:{line})"
 
 
