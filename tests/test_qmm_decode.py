@@ -15,6 +15,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import pytest
 from mlx.utils import tree_flatten
+from mlx_lm.models.activations import swiglu
 from mlx_lm.utils import load
 
 from omlx_core.decode.dense_copy import DenseCopyLinear, install_dense_copy
@@ -109,7 +110,7 @@ def test_a_launch_carries_partials_and_counters_only_when_k_is_split_mocked_cuda
     # Mocked: MLX's CUDA backend cannot exist here; the stand-in kernel records its call.
     calls = []
 
-    def kernel(config, dtype, bits, group_size, split, segments=1):
+    def kernel(config, dtype, bits, group_size, split, segments=1, gated=False, residual=False):
         def run(inputs, output_shapes, output_dtypes, grid, threadgroup):
             calls.append({"split": split, "inputs": len(inputs), "shapes": output_shapes, "grid": grid})
             return [mx.zeros(shape, dtype=d) for shape, d in zip(output_shapes, output_dtypes)]
@@ -138,14 +139,21 @@ def test_a_launch_carries_partials_and_counters_only_when_k_is_split_mocked_cuda
 
 def reference_kernel(calls: list):
     """A stand-in for MLX's CUDA kernel (mocked: the CUDA backend cannot exist here) that
-    computes what the kernel computes, each linear of the launch by mx.quantized_matmul,
-    and records each launch."""
-    def kernel(config, dtype, bits, group_size, split, segments=1):
+    computes what the kernel computes, each linear of the launch by mx.quantized_matmul
+    (of swiglu(x, up) when gated, plus the residual when given), and records each launch."""
+    def kernel(config, dtype, bits, group_size, split, segments=1, gated=False, residual=False):
         def run(inputs, output_shapes, output_dtypes, grid, threadgroup):
-            calls.append({"segments": segments, "x": inputs[0]})
-            x, weights = inputs[0], inputs[1:1 + 3 * segments]
+            calls.append({"segments": segments, "x": inputs[0], "gated": gated, "residual": residual,
+                          "inputs": list(qmm_decode.inputs(split, segments, gated, residual))})
+            assert len(inputs) == len(calls[-1]["inputs"])
+            x, rest = inputs[0], inputs[1:]
+            if gated:
+                x, rest = swiglu(x, rest[0]), rest[1:]
+            weights = rest[:3 * segments]
             outs = [mx.quantized_matmul(x, *weights[3 * s:3 * s + 3], transpose=True, group_size=group_size,
                                         bits=bits) for s in range(segments)]
+            if residual:
+                outs = [rest[3 * segments] + outs[0]]
             return outs + ([mx.zeros(output_shapes[-1], dtype=mx.float32)] if split else [])
         return run
     return kernel
@@ -313,14 +321,18 @@ def test_install_kernels_leaves_the_model_alone_here(tiny_path):
 # -- the source compiles for the H200 --------------------------------------------------------
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
-@pytest.mark.parametrize("tokens,bits,group,dtype,split,segments", [
-    (1, 4, 64, mx.bfloat16, False, 1), (1, 4, 64, mx.bfloat16, True, 1), (9, 8, 32, mx.bfloat16, True, 1),
-    (17, 4, 128, mx.float16, True, 1), (64, 8, 64, mx.bfloat16, False, 1), (1, 4, 64, mx.bfloat16, True, 3),
-    (33, 8, 64, mx.bfloat16, True, 2)])
-def test_kernel_compiles_for_sm90_within_its_register_budget(tmp_path, tokens, bits, group, dtype, split, segments):
+@pytest.mark.parametrize("tokens,bits,group,dtype,split,segments,fused", [
+    (1, 4, 64, mx.bfloat16, False, 1, ""), (1, 4, 64, mx.bfloat16, True, 1, ""), (9, 8, 32, mx.bfloat16, True, 1, ""),
+    (17, 4, 128, mx.float16, True, 1, ""), (64, 8, 64, mx.bfloat16, False, 1, ""), (1, 4, 64, mx.bfloat16, True, 3, ""),
+    (33, 8, 64, mx.bfloat16, True, 2, ""), (2, 4, 64, mx.bfloat16, True, 1, "gated residual"),
+    (9, 4, 64, mx.bfloat16, True, 1, "gated residual"), (17, 4, 64, mx.bfloat16, True, 1, "gated"),
+    (33, 4, 64, mx.bfloat16, False, 1, "residual"), (64, 8, 64, mx.bfloat16, True, 1, "gated residual")])
+def test_kernel_compiles_for_sm90_within_its_register_budget(tmp_path, tokens, bits, group, dtype, split, segments,
+                                                              fused):
     config = qmm_decode.default_config(tokens, bits)
     source = tmp_path / "k.cu"
-    source.write_text(qmm_decode.generated_source(config, dtype, bits, group, split, segments=segments))
+    source.write_text(qmm_decode.generated_source(config, dtype, bits, group, split, segments=segments,
+                                                  gated="gated" in fused, residual="residual" in fused))
     done = subprocess.run(["nvcc", "-arch=sm_90a", "-cubin", "-Xptxas", "-v", "-o", str(tmp_path / "k.cubin"),
                            str(source)], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
@@ -328,7 +340,8 @@ def test_kernel_compiles_for_sm90_within_its_register_budget(tmp_path, tokens, b
     spilled = int(re.search(r"(\d+) bytes spill stores", done.stderr).group(1))
     assert registers <= 65536 // (config.threads * config.per_sm)  # the launch bounds took effect
     assert spilled <= 64
-    assert int(re.search(r"(\d+) bytes stack frame", done.stderr).group(1)) <= spilled  # no local arrays
+    frame = int(re.search(r"(\d+) bytes stack frame", done.stderr).group(1))
+    assert frame <= 16 * math.ceil(spilled / 16)  # no local arrays: the frame holds the spills alone
 
 
 # -- the dense copy ----------------------------------------------------------------------------

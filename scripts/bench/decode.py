@@ -186,7 +186,7 @@ def run_exact(matmul, cases=None, quick: bool = False, sweep: bool = False) -> d
                                     ctas=ctas)
                     rows.append({**row, "config": config.__dict__ | {"ctas": ctas}})
     if matmul is qmm_decode.quantized_matmul_decode:
-        rows += grouped_rows(quick)
+        rows += grouped_rows(quick) + fused_rows(quick)
     formats = {}
     for row in rows:
         key = f"{row['dtype']}/{row['bits']}bit/g{row['group']}"
@@ -215,6 +215,46 @@ def grouped_rows(quick: bool) -> list[dict]:
                 rows.append({**checked(ours, x, layer, bits, group, not quick or m < 8), "segments": list(ns)})
             log(f"exact grouped {bits}-bit g{group} {k}x{ns} M={m}: worst rel "
                 f"{max(r['rel_max'] for r in rows[-len(ns):]):.2e} ok={all(r['ok'] for r in rows[-len(ns):])}")
+    return rows
+
+
+# (bits, group, K, N): odd N, K off the tile, a segment below one CTA tile, the down projection's shape.
+FUSED_CASES = ((4, 64, 1088, 1001), (8, 32, 1056, 17), (4, 128, 1152, 256), (4, 64, 12288, 4096))
+
+
+def fused_rows(quick: bool) -> list[dict]:
+    """The fused forms (decode_block's launches): the input swiglu(gate, up) computed in the
+    kernel, a residual added in it, and both; each against MLX's result on MLX's swiglu
+    plus the residual (below 8 tokens, or without --quick) and the fp32 product, as
+    `compare` checks one linear's, and `identical`: bit for bit the kernel's unfused
+    product with MLX's separate swiglu and add, as the same roundings should give."""
+    from mlx_lm.models.activations import swiglu
+
+    rows = []
+    for bits, group, k, n in FUSED_CASES:
+        layer = quantized_layer(k, n, bits, group, seed=bits * 1000 + group + n + 5)
+        w32 = mx.dequantize(*layer, group_size=group, bits=bits, dtype=mx.float32)
+        for m in (1, 9, 17, 33, 64):
+            gate, up = (3 * mx.random.normal((m, k), key=mx.random.key(m + seed)) for seed in (11, 13))
+            gate, up = gate.astype(mx.bfloat16), up.astype(mx.bfloat16)
+            residual = mx.random.normal((m, n), key=mx.random.key(m + 17)).astype(mx.bfloat16)
+            for gated, added in ((True, False), (False, True), (True, True)):
+                x = swiglu(gate, up) if gated else gate
+                ours = qmm_decode.quantized_matmul_decode(gate, *layer, group, bits, up=up if gated else None,
+                                                          residual=residual if added else None)
+                unfused = qmm_decode.quantized_matmul_decode(x, *layer, group, bits)
+                unfused = residual + unfused if added else unfused
+                ref = None
+                if not quick or m < 8:
+                    ref = mx.quantized_matmul(x, *layer, transpose=True, group_size=group, bits=bits)
+                    ref = residual + ref if added else ref
+                truth = x.astype(mx.float32) @ w32.T + (residual.astype(mx.float32) if added else 0)
+                rows.append({"bits": bits, "group": group, "dtype": "bfloat16", "k": k, "n": n, "m": m,
+                             "gated": gated, "residual": added, "identical": bool(mx.array_equal(ours, unfused)),
+                             **compare(ours, ref, truth)})
+            log(f"exact fused {bits}-bit g{group} {k}x{n} M={m}: worst rel "
+                f"{max(r['rel_max'] for r in rows[-3:]):.2e} ok={all(r['ok'] for r in rows[-3:])} "
+                f"identical={[r['identical'] for r in rows[-3:]]}")
     return rows
 
 
@@ -256,7 +296,8 @@ def run_greedy(matmul_name: str, workdir: Path, count: int = 64, quick: bool = F
         first = next((i for i, (a, b) in enumerate(zip(stock, ours)) if a != b), None)
         results.append({"arch": arch, "bits": bits, "group": group, "tokens": count, "identical": stock == ours,
                         "first_difference": first, "layers": len(layers),
-                        "kernel_calls": sum(layer.calls for layer in layers)})
+                        "kernel_calls": sum(layer.calls for layer in layers),
+                        "fused_blocks": sum(type(m).__name__ == "DecodeBlock" for _, m in model.named_modules())})
         log(f"greedy {arch} {bits}-bit g{group}: identical={stock == ours} "
             f"({results[-1]['kernel_calls']} calls on our path)")
     return results
@@ -732,8 +773,9 @@ def decode_step_seconds(model, cache, batch: int, steps: int, repeats: int) -> d
     return {name: statistics.median(values) for name, values in timings.items()}
 
 
-# The model part's: kernel = grouped launches; kernel_attention = that and sdpa_decode's attention.
-VARIANTS = ("stock", "kernel_ungrouped", "kernel", "kernel_attention", "dense_copy")
+# The model part's: kernel = grouped launches and decode_block's fused ones; kernel_attention =
+# that and sdpa_decode's attention; kernel_attention_unfused = the same without decode_block.
+VARIANTS = ("stock", "kernel_ungrouped", "kernel", "kernel_attention", "kernel_attention_unfused", "dense_copy")
 
 
 def install_variant(model, name: str) -> dict:
@@ -742,12 +784,13 @@ def install_variant(model, name: str) -> dict:
 
     if name == "kernel_ungrouped":
         qmm_decode.install(model, formats=qmm_decode.ALL_FORMATS, min_tokens=1, group=False)
-    elif name in ("kernel", "kernel_attention"):
-        if name == "kernel_attention":
+    elif name in ("kernel", "kernel_attention", "kernel_attention_unfused"):
+        if name != "kernel":
             from omlx_core.kernels import sdpa_decode
 
             sdpa_decode.install(model)
-        return {"layers": len(qmm_decode.install(model, formats=qmm_decode.ALL_FORMATS, min_tokens=1))}
+        return {"layers": len(qmm_decode.install(model, formats=qmm_decode.ALL_FORMATS, min_tokens=1,
+                                                 fuse=name != "kernel_attention_unfused"))}
     elif name == "dense_copy":
         return {"extra_bytes": install_dense_copy(model, {"compute.dense_copy": "on"}, backend="cuda").extra_bytes}
     return {}
@@ -908,13 +951,13 @@ def run_profile(workdir: Path, tiny: bool, batches, timeout: float = 400) -> dic
 
 
 def restore(model) -> None:
-    """Plain QuantizedLinears (same arrays) and mlx-lm's attention back wherever a
-    subclass was installed."""
-    from omlx_core.kernels import sdpa_decode
+    """Plain QuantizedLinears (same arrays), mlx-lm's attention and blocks back wherever
+    a subclass was installed."""
+    from omlx_core.kernels import decode_block, sdpa_decode
     from omlx_core.prefill.split import replace_module
 
     for path, module in list(model.named_modules()):
-        for plain in (qmm_decode.plain, sdpa_decode.plain):
+        for plain in (qmm_decode.plain, sdpa_decode.plain, decode_block.plain):
             if plain(module) is not module:
                 replace_module(model, path, plain(module))
 
@@ -937,6 +980,10 @@ def summary(result: dict) -> None:
         print(f"exact: {e['cases'] - e['failed']}/{e['cases']} within {e['tolerance']:.4f}; worst rel "
               f"{e['worst']['rel_max']:.2e} ({e['worst']['dtype']} {e['worst']['bits']}-bit g{e['worst']['group']} "
               f"k={e['worst']['k']} n={e['worst']['n']} m={e['worst']['m']})")
+        fused = [r for r in e["rows"] if "gated" in r]
+        if fused:
+            print(f"exact fused: {sum(r['ok'] for r in fused)}/{len(fused)} within the tolerance, "
+                  f"{sum(r['identical'] for r in fused)}/{len(fused)} bit for bit the unfused launches")
     for g in result.get("greedy", []):
         print(f"greedy {g['arch']} {g['bits']}-bit g{g['group']}: identical={g['identical']} "
               f"({g['kernel_calls']} calls)")

@@ -183,12 +183,14 @@ def segment_names(segments: int, name: str) -> list[str]:
     return [name] if segments == 1 else [f"{name}{s}" for s in range(segments)]
 
 
-def inputs(split: bool, segments: int = 1) -> tuple:
-    """The kernel's inputs: x, then each linear's weight, scales and biases; the split of K
+def inputs(split: bool, segments: int = 1, gated: bool = False, residual: bool = False) -> tuple:
+    """The kernel's inputs: x (and `up` when the input is swiglu(x, up)), then each linear's
+    weight, scales and biases, the residual added to the output if any; the split of K
     across CTAs also needs the row tiles' counters."""
-    names = ["x"]
+    names = ["x", "up"] if gated else ["x"]
     for w, scales, biases in zip(*(segment_names(segments, n) for n in ("w", "scales", "biases"))):
         names += [w, scales, biases]
+    names += ["residual"] if residual else []
     return tuple(names + ["locks"] if split else names)
 
 
@@ -198,13 +200,18 @@ def outputs(split: bool, segments: int = 1) -> tuple:
     return tuple(names + ["partial"] if split else names)
 
 
-def kernel_name(config: Config, dtype: mx.Dtype, bits: int, group_size: int, split: bool, segments: int = 1) -> str:
-    return config.name(dtype, bits, group_size) + ("" if split else "_whole") + ("" if segments == 1 else f"_s{segments}")
+def kernel_name(config: Config, dtype: mx.Dtype, bits: int, group_size: int, split: bool, segments: int = 1,
+                gated: bool = False, residual: bool = False) -> str:
+    return (config.name(dtype, bits, group_size) + ("" if split else "_whole") + ("" if segments == 1 else f"_s{segments}")
+            + ("_glu" if gated else "") + ("_res" if residual else ""))
 
 
-def body(config: Config, dtype: mx.Dtype, bits: int, group_size: int, split: bool = True, segments: int = 1) -> str:
+def body(config: Config, dtype: mx.Dtype, bits: int, group_size: int, split: bool = True, segments: int = 1,
+         gated: bool = False, residual: bool = False) -> str:
     """The kernel body: M is every leading dimension of x (a [B, L, K] input is launched
     as it is, no reshape), K its last, N[s] the rows of linear s's weight."""
+    if segments > 1 and (gated or residual):
+        raise OmlxError("qmm_decode: a gated input or a residual takes one linear per launch")
     c = config
     t = DTYPES[dtype]
     w, scales, biases, out = (segment_names(segments, n) for n in ("w", "scales", "biases", "out"))
@@ -215,18 +222,21 @@ def body(config: Config, dtype: mx.Dtype, bits: int, group_size: int, split: boo
             f"const int ns[] = {{{', '.join(f'{name}_shape[0]' for name in w)}}};\n"
             f"{t}* os[] = {{{', '.join(out)}}};\n"
             f"omlx_qmm::qmm_decode_segments<{t}, {bits}, {group_size}, {c.tiles}, {c.rows}, {c.warps_n}, "
-            f"{c.warps_k}, {c.rounds}, {c.slice_k}, {segments}, {c.loads_in_flight}>("
-            f"x, ws, ss, bs, ns, {'locks' if split else 'nullptr'}, os, {'partial' if split else 'nullptr'}, M, "
-            "x_shape[x_ndim - 1]);")
+            f"{c.warps_k}, {c.rounds}, {c.slice_k}, {segments}, {c.loads_in_flight}, {str(gated).lower()}, "
+            f"{str(residual).lower()}>(x, {'up' if gated else 'nullptr'}, ws, ss, bs, ns, "
+            f"{'residual' if residual else 'nullptr'}, {'locks' if split else 'nullptr'}, os, "
+            f"{'partial' if split else 'nullptr'}, M, x_shape[x_ndim - 1]);")
 
 
-def parameters(dtype: mx.Dtype, split: bool, segments: int = 1) -> str:
+def parameters(dtype: mx.Dtype, split: bool, segments: int = 1, gated: bool = False, residual: bool = False) -> str:
     """The generated kernel's parameter list, as MLX 0.32 writes it for `body`."""
     t = DTYPES[dtype]
     text = f"    const {t}* x,\n    const __grid_constant__ Shape x_shape,\n    const __grid_constant__ int x_ndim,\n"
+    text += f"    const {t}* up,\n" if gated else ""
     for w, scales, biases in zip(*(segment_names(segments, n) for n in ("w", "scales", "biases"))):
         text += (f"    const uint32_t* {w},\n    const __grid_constant__ Shape {w}_shape,\n"
                  f"    const {t}* {scales},\n    const {t}* {biases},\n")
+    text += f"    const {t}* residual,\n" if residual else ""
     if split:
         text += "    const int32_t* locks,\n"
     params = [f"    {t}* {name}" for name in segment_names(segments, "out")] + (["    float* partial"] if split else [])
@@ -234,13 +244,13 @@ def parameters(dtype: mx.Dtype, split: bool, segments: int = 1) -> str:
 
 
 def launch_bounds(config: Config, dtype: mx.Dtype, bits: int, group_size: int, split: bool = True,
-                  segments: int = 1) -> str:
+                  segments: int = 1, gated: bool = False, residual: bool = False) -> str:
     """A declaration of MLX's generated kernel with launch bounds (MLX writes the
     definition without any): the register budget that lets several CTAs share an SM."""
     return ("namespace mlx::core::cu {\n"
             f"__global__ void __launch_bounds__({config.threads}, {config.per_sm}) "
-            f"custom_kernel_{kernel_name(config, dtype, bits, group_size, split, segments)}(\n"
-            f"{parameters(dtype, split, segments)};\n"
+            f"custom_kernel_{kernel_name(config, dtype, bits, group_size, split, segments, gated, residual)}(\n"
+            f"{parameters(dtype, split, segments, gated, residual)};\n"
             "}  // namespace mlx::core::cu\n")
 
 
@@ -262,8 +272,9 @@ def source_text() -> str:
     return f'#include "{path}"  // sha256 {hashlib.sha256(text.encode()).hexdigest()[:16]}\n'
 
 
-def header(config: Config, dtype: mx.Dtype, bits: int, group_size: int, split: bool = True, segments: int = 1) -> str:
-    return source_text() + launch_bounds(config, dtype, bits, group_size, split, segments)
+def header(config: Config, dtype: mx.Dtype, bits: int, group_size: int, split: bool = True, segments: int = 1,
+           gated: bool = False, residual: bool = False) -> str:
+    return source_text() + launch_bounds(config, dtype, bits, group_size, split, segments, gated, residual)
 
 
 STANDALONE_PRELUDE = """#include <cuda_bf16.h>
@@ -275,25 +286,27 @@ namespace mlx::core::cu { using Shape = cuda::std::array<int32_t, 10>; }
 
 
 def generated_source(config: Config, dtype: mx.Dtype, bits: int, group_size: int, split: bool = True,
-                     prelude: str = STANDALONE_PRELUDE, segments: int = 1) -> str:
+                     prelude: str = STANDALONE_PRELUDE, segments: int = 1, gated: bool = False,
+                     residual: bool = False) -> str:
     """The translation unit mx.fast.cuda_kernel compiles (its wrapper written out the way
     MLX 0.32 writes it), with `prelude` for MLX's device header: for `nvcc -arch=sm_90a`
     on a machine with no GPU."""
-    return (prelude + header(config, dtype, bits, group_size, split, segments)
+    variant = (config, dtype, bits, group_size, split, segments, gated, residual)
+    return (prelude + header(*variant)
             + "namespace mlx::core::cu {\n\nnamespace cg = cooperative_groups;\n\n"
-            + f"__global__ void custom_kernel_{kernel_name(config, dtype, bits, group_size, split, segments)}(\n"
-            + parameters(dtype, split, segments) + " {\n"
-            + body(config, dtype, bits, group_size, split, segments) + "\n}\n\n} // namespace mlx::core::cu\n")
+            + f"__global__ void custom_kernel_{kernel_name(*variant)}(\n"
+            + parameters(dtype, split, segments, gated, residual) + " {\n"
+            + body(*variant) + "\n}\n\n} // namespace mlx::core::cu\n")
 
 
 @lru_cache(maxsize=None)
-def _kernel(config: Config, dtype: mx.Dtype, bits: int, group_size: int, split: bool, segments: int = 1):
+def _kernel(config: Config, dtype: mx.Dtype, bits: int, group_size: int, split: bool, segments: int = 1,
+            gated: bool = False, residual: bool = False):
+    variant = (config, dtype, bits, group_size, split, segments, gated, residual)
     return mx.fast.cuda_kernel(
-        name=kernel_name(config, dtype, bits, group_size, split, segments),
-        input_names=list(inputs(split, segments)), output_names=list(outputs(split, segments)),
-        source=body(config, dtype, bits, group_size, split, segments),
-        header=header(config, dtype, bits, group_size, split, segments), ensure_row_contiguous=True,
-        shared_memory=config.shared_bytes)
+        name=kernel_name(*variant), input_names=list(inputs(split, segments, gated, residual)),
+        output_names=list(outputs(split, segments)), source=body(*variant), header=header(*variant),
+        ensure_row_contiguous=True, shared_memory=config.shared_bytes)
 
 
 def lock_count(*ns: int) -> int:
@@ -314,21 +327,25 @@ class Launch:
     out_dtypes: list
     partial: int  # floats of the split-K partial sums; 0: one slice, no counters, no partials
 
-    def __call__(self, x: mx.array, weights: list, locks) -> list[mx.array]:
-        """`weights`: each linear's weight, scales and biases, one after another."""
+    def __call__(self, x: mx.array, weights: list, locks, up: mx.array | None = None,
+                 residual: mx.array | None = None) -> list[mx.array]:
+        """`weights`: each linear's weight, scales and biases, one after another; `up` and
+        `residual` exactly when the launch was made for them (`launch_for`)."""
         lead = x.shape[:-1]
         shapes = [lead + n for n in self.out_shapes]
+        args = [x] + ([up] if up is not None else []) + weights + ([residual] if residual is not None else [])
         if self.partial:
-            return self.kernel(inputs=[x, *weights, locks], output_shapes=shapes + [(self.partial,)],
+            return self.kernel(inputs=args + [locks], output_shapes=shapes + [(self.partial,)],
                                output_dtypes=self.out_dtypes, grid=self.grid, threadgroup=self.threadgroup)[:-1]
-        return self.kernel(inputs=[x, *weights], output_shapes=shapes, output_dtypes=self.out_dtypes,
+        return self.kernel(inputs=args, output_shapes=shapes, output_dtypes=self.out_dtypes,
                            grid=self.grid, threadgroup=self.threadgroup)
 
 
 @lru_cache(maxsize=4096)
 def launch_for(ns: tuple, k: int, tokens: int, dtype: mx.Dtype, bits: int, group_size: int,
-               config: Config | None = None) -> Launch:
-    """The launch of linears with `ns` outputs (one, or a group of one input) for `tokens` tokens."""
+               config: Config | None = None, gated: bool = False, residual: bool = False) -> Launch:
+    """The launch of linears with `ns` outputs (one, or a group of one input) for `tokens`
+    tokens; `gated`: of swiglu(x, up); `residual`: the output plus a residual (one linear)."""
     if why := kernel_available():  # checked once per shape: launches are cached
         raise OmlxError(f"qmm_decode {why}")
     config = config or default_config(tokens, bits)
@@ -336,37 +353,50 @@ def launch_for(ns: tuple, k: int, tokens: int, dtype: mx.Dtype, bits: int, group
         raise OmlxError(f"qmm_decode: config for {8 * config.tiles} tokens given {tokens}")
     splits = config.splits(sum(ns), k)
     split = splits > 1
-    return Launch(_kernel(config, dtype, bits, group_size, split, len(ns)),
+    return Launch(_kernel(config, dtype, bits, group_size, split, len(ns), gated, residual),
                   (config.columns(*ns) * config.threads, splits, 1), (config.threads, 1, 1), tuple((n,) for n in ns),
                   [dtype] * len(ns) + ([mx.float32] if split else []), splits * tokens * sum(ns) if split else 0)
 
 
 def quantized_matmul_decode(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array,
-                            group_size: int, bits: int, *, locks: mx.array | None = None,
+                            group_size: int, bits: int, *, up: mx.array | None = None,
+                            residual: mx.array | None = None, locks: mx.array | None = None,
                             config: Config | None = None, ctas: int | None = None) -> mx.array:
     """`mx.quantized_matmul(x, w, scales, biases, transpose=True, ...)` for 1..64 tokens,
     with every argument checked (DecodeQuantizedLinear checks its layer once instead).
 
-    `locks`: int32 zeros, `lock_count(N)` of them, owned by the caller and never used by
-    two calls at once (the kernel leaves them zero); without it a fresh zero buffer is
-    made per call. `config` / `ctas` override the launch shape (the benchmark's sweep).
+    `up`: the input is mlx-lm's `swiglu(x, up)` (x the gate), computed in the kernel;
+    `residual`: returns `residual + product`, added in the kernel. Both round as MLX's
+    separate ops do. `locks`: int32 zeros, `lock_count(N)` of them, owned by the caller
+    and never used by two calls at once (the kernel leaves them zero); without it a fresh
+    zero buffer is made per call. `config` / `ctas` override the launch shape (the
+    benchmark's sweep).
     """
-    return grouped_matmul_decode(x, [(w, scales, biases)], group_size, bits, locks=locks, config=config,
-                                 ctas=ctas)[0]
+    return grouped_matmul_decode(x, [(w, scales, biases)], group_size, bits, up=up, residual=residual, locks=locks,
+                                 config=config, ctas=ctas)[0]
 
 
 def grouped_matmul_decode(x: mx.array, layers: list, group_size: int, bits: int, *,
+                          up: mx.array | None = None, residual: mx.array | None = None,
                           locks: mx.array | None = None, config: Config | None = None,
                           ctas: int | None = None) -> list[mx.array]:
     """`quantized_matmul_decode` of one input by several linears ((w, scales, biases)
-    triples of one format) in one launch: their outputs, in order. `locks`:
-    `lock_count(N0, N1, ...)` zeros."""
+    triples of one format) in one launch: their outputs, in order (`up` and `residual`
+    take one linear). `locks`: `lock_count(N0, N1, ...)` zeros."""
     if why := kernel_available():
         raise OmlxError(f"qmm_decode {why}")
     k = x.shape[-1]
     tokens = x.size // k if k else 0
     if not 1 <= tokens <= MAX_TOKENS:
         raise OmlxError(f"qmm_decode computes 1..{MAX_TOKENS} tokens, not {tokens}")
+    if (up is not None or residual is not None) and len(layers) != 1:
+        raise OmlxError(f"qmm_decode: a gated input or a residual takes one linear, not {len(layers)}")
+    if up is not None and (up.shape != x.shape or up.dtype != x.dtype):
+        raise OmlxError(f"qmm_decode: up {up.shape} {up.dtype} must match the gate x {x.shape} {x.dtype}")
+    if residual is not None and (residual.shape != x.shape[:-1] + (layers[0][0].shape[0],)
+                                 or residual.dtype != x.dtype):
+        raise OmlxError(f"qmm_decode: residual {residual.shape} {residual.dtype} must match the output "
+                        f"{x.shape[:-1] + (layers[0][0].shape[0],)} {x.dtype}")
     for w, scales, biases in layers:
         n = w.shape[0]
         if biases is None:
@@ -381,7 +411,8 @@ def grouped_matmul_decode(x: mx.array, layers: list, group_size: int, bits: int,
         config = replace(config or default_config(tokens, bits), ctas=ctas)
     if locks is None:
         locks = mx.zeros((lock_count(*ns),), dtype=mx.int32)
-    return launch_for(ns, k, tokens, x.dtype, bits, group_size, config)(x, [a for layer in layers for a in layer], locks)
+    launch = launch_for(ns, k, tokens, x.dtype, bits, group_size, config, up is not None, residual is not None)
+    return launch(x, [a for layer in layers for a in layer], locks, up, residual)
 
 
 class DecodeQuantizedLinear(nn.QuantizedLinear):
@@ -444,6 +475,30 @@ class DecodeQuantizedLinear(nn.QuantizedLinear):
                                                              self.group_size)
             out = launch(x, [w, self["scales"], self["biases"]], self["_locks"])[0]
         return out + self["bias"] if "bias" in self else out
+
+    def fused(self, x: mx.array, up: mx.array | None = None, residual: mx.array | None = None) -> mx.array:
+        """`residual + self(swiglu(x, up))`, either part optional: one launch where the
+        kernel takes x (this linear alone, no bias), else MLX's separate ops. Why: a
+        decoder layer's down projection and attention's output projection each save a
+        launch (the swiglu, the residual add) and a round trip of their activations."""
+        k = x.shape[-1]
+        tokens = x.size // k
+        if (self._dtype is None or self._group is not None or "bias" in self or tokens > self.max_tokens
+                or tokens < self.min_tokens or x.dtype != self._dtype
+                or (up is not None and (up.shape != x.shape or up.dtype != x.dtype))
+                or (residual is not None and (residual.shape[:-1] != x.shape[:-1] or residual.dtype != x.dtype))):
+            from mlx_lm.models.activations import swiglu
+
+            out = self(x if up is None else swiglu(x, up))
+            return out if residual is None else residual + out
+        object.__setattr__(self, "calls", self.calls + 1)
+        key = (tokens, up is not None, residual is not None)
+        launch = self._launches.get(key)
+        if launch is None:
+            w = self["weight"]
+            launch = self._launches[key] = launch_for((w.shape[0],), k, tokens, x.dtype, self.bits, self.group_size,
+                                                      None, *key[1:])
+        return launch(x, [self["weight"], self["scales"], self["biases"]], self["_locks"], up, residual)[0]
 
 
 class DecodeGroup:
@@ -545,12 +600,14 @@ def applies(model) -> bool:
 
 
 def install(model, max_tokens: int = MAX_TOKENS, formats: tuple | None = None,
-            min_tokens: int = MIN_TOKENS, group: bool = True) -> list[str]:
+            min_tokens: int = MIN_TOKENS, group: bool = True, fuse: bool = True) -> list[str]:
     """Replace every eligible quantized linear (also inside prefill wrappers) by a
     DecodeQuantizedLinear for `min_tokens`..`max_tokens` tokens, siblings of one input
     grouped into one launch (GROUPS); returns their paths. All are built before any is
     replaced. `formats` defaults to those that passed the exactness check on the device
-    (`ALL_FORMATS` for the check itself); `group=False` launches each linear alone."""
+    (`ALL_FORMATS` for the check itself); `group=False` launches each linear alone;
+    `fuse` (with `group`) also gives decoder layers decode_block's fused launches."""
+    from omlx_core.kernels import decode_block
     from omlx_core.prefill.split import replace_module
 
     formats = VALIDATED if formats is None else formats
@@ -560,6 +617,8 @@ def install(model, max_tokens: int = MAX_TOKENS, formats: tuple | None = None,
         group_siblings(built)
     for path, module in built.items():
         replace_module(model, path, module)
+    if group and fuse:
+        decode_block.install(model)
     return list(built)
 
 

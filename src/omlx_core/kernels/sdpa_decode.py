@@ -161,12 +161,15 @@ class DecodeAttention(nn.Module):
         object.__setattr__(self, "_locks", {})  # counters per batch size
         object.__setattr__(self, "kernel_calls", 0)
 
-    def __call__(self, x: mx.array, mask=None, cache=None) -> mx.array:
+    def __call__(self, x: mx.array, mask=None, cache=None, residual: mx.array | None = None) -> mx.array:
+        """mlx-lm's forward, plus `residual` if given (decode_block's DecodeBlock passes
+        the layer's input: the output projection adds it in its launch where it can)."""
         if x.shape[1] != 1 or x.shape[0] < MIN_BATCH or type(cache).__name__ not in CACHES:
-            return self._forward(self, x, mask, cache)
-        return self.decode(x, mask, cache)
+            out = self._forward(self, x, mask, cache)
+            return out if residual is None else residual + out
+        return self.decode(x, mask, cache, residual)
 
-    def decode(self, x: mx.array, mask, cache) -> mx.array:
+    def decode(self, x: mx.array, mask, cache, residual: mx.array | None = None) -> mx.array:
         """mlx-lm's forward for one token per sequence, the kernel for its attention; a
         BatchKVCache's mask (left padding, nothing causal at one token) becomes `starts`."""
         batch = x.shape[0]
@@ -190,7 +193,16 @@ class DecodeAttention(nn.Module):
             if locks is None:
                 locks = self._locks[batch] = mx.zeros((batch * self.n_kv_heads,), dtype=mx.int32)
             output = launch(queries, keys, values, self.scale, getattr(cache, "left_padding", None), locks)
-        return self.o_proj(output.transpose(0, 2, 1, 3).reshape(batch, 1, -1))
+        output = output.transpose(0, 2, 1, 3).reshape(batch, 1, -1)
+        if residual is None:
+            return self.o_proj(output)
+        from omlx_core.kernels.qmm_decode import DecodeQuantizedLinear
+        from omlx_core.prefill.fast_paths import unwrap
+
+        o_proj = unwrap(self.o_proj)
+        if isinstance(o_proj, DecodeQuantizedLinear):
+            return o_proj.fused(output, residual=residual)
+        return residual + self.o_proj(output)
 
 
 def plain(module) -> nn.Module:

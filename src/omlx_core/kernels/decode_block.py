@@ -1,0 +1,98 @@
+"""A decoder layer's batched-decode step with fewer launches: qmm_decode's fused forms.
+
+Why: a decode step pays the host (Python, then MLX's encoding) and the GPU (each kernel's
+ramp and tail) for every launch, and at 32 sequences the step is a few hundred small
+launches (docs/benchmarks/decode-h100-host-profile.json). mlx-lm's layer computes
+`h = x + o_proj(attention)` and `out = h + down(swiglu(gate, up))`: the two residual adds
+and the swiglu are launches of their own, each reading and writing its activations
+once more. Here attention's output projection adds the residual in its epilogue and the
+down projection computes swiglu while it stages its input and adds the residual too: three
+launches fewer per layer, the same roundings as MLX's separate ops.
+
+- `DecodeBlock`: mlx-lm's llama/qwen2/qwen3 `TransformerBlock` whose inputs of the
+  kernel's token counts take the fused forms (`DecodeQuantizedLinear.fused`; attention's
+  through `DecodeAttention`'s `residual`, else added here); every other input runs
+  mlx-lm's forward on this module.
+- `install(model)` replaces the blocks whose down projection is a DecodeQuantizedLinear
+  (qmm_decode's install calls it); `plain(module)` undoes it.
+"""
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from omlx_core.kernels.qmm_decode import DecodeQuantizedLinear
+
+ARCHITECTURES = ("llama", "qwen2", "qwen3")  # whose block and MLP DecodeBlock restates
+
+
+def is_block(module) -> bool:
+    kind = type(module)
+    return kind.__name__ == "TransformerBlock" and kind.__module__.rsplit(".", 1)[-1] in ARCHITECTURES
+
+
+def down_projection(block) -> DecodeQuantizedLinear | None:
+    """The block's down projection as the decode kernel's linear (looked for under a
+    prefill wrapper), or None."""
+    from omlx_core.prefill.fast_paths import unwrap
+
+    mlp = block.get("mlp") if isinstance(block, nn.Module) else None
+    down = unwrap(mlp.get("down_proj")) if isinstance(mlp, nn.Module) else None
+    return down if isinstance(down, DecodeQuantizedLinear) else None
+
+
+class DecodeBlock(nn.Module):
+    """mlx-lm's TransformerBlock of ARCHITECTURES, its decode-sized steps on the fused
+    launches: the same modules under the same names and the same attributes, so every
+    other call runs mlx-lm's own forward on this module."""
+
+    def __init__(self, original):
+        super().__init__()
+        for name, module in original.items():  # self_attn, mlp, the two norms
+            setattr(self, name, module)
+        for name, value in vars(original).items():  # args, hidden_size, ...
+            if not name.startswith("_"):
+                setattr(self, name, value)
+        object.__setattr__(self, "_kind", type(original))
+        object.__setattr__(self, "_forward", type(original).__call__)
+
+    def __call__(self, x: mx.array, mask=None, cache=None) -> mx.array:
+        down = down_projection(self)  # looked up per call: a later install may replace it
+        if down is None or not down.uses_kernel(x):
+            return self._forward(self, x, mask, cache)
+        from omlx_core.kernels.sdpa_decode import DecodeAttention
+
+        attention, normed = self.self_attn, self.input_layernorm(x)
+        if isinstance(attention, DecodeAttention):
+            h = attention(normed, mask, cache, residual=x)
+        else:
+            h = x + attention(normed, mask, cache)
+        mlp = self.mlp
+        n = self.post_attention_layernorm(h)
+        return down.fused(mlp.gate_proj(n), up=mlp.up_proj(n), residual=h)
+
+
+def plain(module) -> nn.Module:
+    """mlx-lm's TransformerBlock of the same modules and attributes for a DecodeBlock
+    (undoes `install`); any other module as given."""
+    if not isinstance(module, DecodeBlock):
+        return module
+    original = module._kind.__new__(module._kind)
+    nn.Module.__init__(original)
+    for name, child in module.items():
+        setattr(original, name, child)
+    for name, value in vars(module).items():
+        if not name.startswith("_"):
+            setattr(original, name, value)
+    return original
+
+
+def install(model) -> list[str]:
+    """Replace every block of ARCHITECTURES whose down projection is a DecodeQuantizedLinear
+    by a DecodeBlock; their paths."""
+    from omlx_core.prefill.split import replace_module
+
+    built = {path: DecodeBlock(module) for path, module in model.named_modules()
+             if is_block(module) and down_projection(module) is not None}
+    for path, module in built.items():
+        replace_module(model, path, module)
+    return list(built)

@@ -1,0 +1,117 @@
+"""decode_block: a decoder layer's decode step on qmm_decode's fused launches (swiglu staged
+by the down projection, the residual adds in both output projections). The kernels are
+mocked (MLX's CUDA backend cannot exist here) by stand-ins computing with MLX's ops what
+the kernels compute; the kernels' own results are checked on the GPU machine by
+scripts/bench/decode.py (--parts exact: the fused rows; --parts greedy)."""
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models.activations import swiglu
+from mlx_lm.models.cache import make_prompt_cache
+from test_qmm_decode import quantized, reference_kernel
+from test_sdpa_decode import decode_logits, tiny_model
+from test_sdpa_decode import reference_kernel as reference_attention
+
+from omlx_core.errors import OmlxError
+from omlx_core.kernels import decode_block, qmm_decode, sdpa_decode
+from omlx_core.kernels.decode_block import DecodeBlock
+from omlx_core.kernels.qmm_decode import ALL_FORMATS, DecodeQuantizedLinear
+
+PROMPT = mx.array([[3, 14, 15, 92, 65, 35, 89, 79]] * 2, dtype=mx.int32)
+
+
+@pytest.fixture
+def launches(monkeypatch) -> list:
+    """Both kernels mocked; the quantized matmul's launches, recorded."""
+    calls = []
+    monkeypatch.setattr(qmm_decode, "kernel_available", lambda: "")
+    monkeypatch.setattr(qmm_decode, "_kernel", reference_kernel(calls))
+    monkeypatch.setattr(sdpa_decode, "launch", reference_attention([]))
+    qmm_decode.launch_for.cache_clear()
+    yield calls
+    qmm_decode.launch_for.cache_clear()
+
+
+def kinds(calls: list) -> list[tuple]:
+    return [(c["segments"], c["gated"], c["residual"]) for c in calls]
+
+
+@pytest.mark.parametrize("arch", decode_block.ARCHITECTURES)
+def test_fused_blocks_decode_as_mlx_lm_does_mocked_cuda(arch, launches):
+    model = tiny_model(arch)
+    stock = decode_logits(model, make_prompt_cache(model), PROMPT)
+    qmm_decode.install(model, formats=ALL_FORMATS)
+    sdpa_decode.install(model)
+    assert all(type(layer) is DecodeBlock for layer in model.layers)
+    ours = decode_logits(model, make_prompt_cache(model), PROMPT)
+    for a, b in zip(stock, ours):
+        assert mx.array_equal(a, b)
+    # The last decode step, per layer: q/k/v, o_proj plus the residual, gate/up, then
+    # down of swiglu(gate, up) plus the residual; then the (quantized) head.
+    layer = [(3, False, False), (1, False, True), (2, False, False), (1, True, True)]
+    assert kinds(launches[-9:]) == layer * 2 + [(1, False, False)]
+
+
+def test_without_decode_attention_the_block_adds_attentions_residual_itself_mocked_cuda(launches):
+    model = tiny_model("llama")
+    stock = decode_logits(model, make_prompt_cache(model), PROMPT)
+    qmm_decode.install(model, formats=ALL_FORMATS)
+    ours = decode_logits(model, make_prompt_cache(model), PROMPT)
+    for a, b in zip(stock, ours):
+        assert mx.array_equal(a, b)
+    assert kinds(launches[-5:-1]) == [(3, False, False), (1, False, False), (2, False, False), (1, True, True)]
+
+
+def test_inputs_beyond_the_kernels_token_counts_run_mlx_lms_block_mocked_cuda(launches):
+    model = tiny_model("qwen3")
+    prompt = mx.array([list(range(40))] * 2, dtype=mx.int32)  # 80 tokens: prefill-sized
+    stock = model(prompt)
+    qmm_decode.install(model, formats=ALL_FORMATS)
+    assert mx.array_equal(model(prompt), stock) and launches == []
+
+
+def test_install_without_fusion_and_plain_leave_mlx_lms_blocks(launches):
+    model = tiny_model("llama")
+    qmm_decode.install(model, formats=ALL_FORMATS, fuse=False)
+    assert all(type(layer).__name__ == "TransformerBlock" for layer in model.layers)
+    model = tiny_model("llama")
+    qmm_decode.install(model, formats=ALL_FORMATS)
+    block = model.layers[0]
+    restored = decode_block.plain(block)
+    assert type(restored).__name__ == "TransformerBlock" and restored.mlp is block.mlp
+    assert restored.self_attn is block.self_attn and restored.args is block.args
+    assert decode_block.plain(model) is model
+
+
+def test_no_decode_linear_no_decode_block():
+    model = tiny_model("llama")
+    assert decode_block.install(model) == []
+
+
+def test_fused_falls_back_to_mlx_ops_where_the_kernel_does_not_take_the_layer_mocked_cuda(launches):
+    layer = DecodeQuantizedLinear.of(quantized(k=128, n=96, bias=True))  # a bias: not fused
+    gate, up = mx.random.normal((4, 128)).astype(mx.bfloat16), mx.random.normal((4, 128)).astype(mx.bfloat16)
+    residual = mx.random.normal((4, 96)).astype(mx.bfloat16)
+    fused = layer.fused(gate, up=up, residual=residual)
+    assert kinds(launches) == [(1, False, False)]  # the plain launch; the bias, swiglu and add by MLX
+    assert mx.array_equal(fused, residual + layer(swiglu(gate, up)))
+    plain = DecodeQuantizedLinear.of(quantized(k=128, n=96))
+    fused = plain.fused(gate, up=up, residual=residual)
+    assert kinds(launches[2:]) == [(1, True, True)]
+    assert mx.array_equal(fused, residual + plain(swiglu(gate, up)))
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"up": mx.zeros((4, 64), dtype=mx.bfloat16)}, "up (4, 64)"),
+    ({"residual": mx.zeros((4, 95), dtype=mx.bfloat16)}, "residual (4, 95)"),
+    ({"residual": mx.zeros((4, 96), dtype=mx.float16)}, "residual (4, 96) mlx.core.float16"),
+])
+def test_fused_arguments_that_do_not_fit_are_named_mocked_cuda(launches, change, message):
+    layer = quantized(k=128, n=96)
+    x = mx.zeros((4, 128), dtype=mx.bfloat16)
+    with pytest.raises(OmlxError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        qmm_decode.quantized_matmul_decode(x, layer.weight, layer.scales, layer.biases, 64, 4, **change)
+    with pytest.raises(OmlxError, match="takes one linear"):
+        qmm_decode.grouped_matmul_decode(x, [(layer.weight, layer.scales, layer.biases)] * 2, 64, 4,
+                                         residual=mx.zeros((4, 96), dtype=mx.bfloat16))
+    assert launches == []
