@@ -15,6 +15,12 @@ on the H200 (docs/benchmarks/decode-h200-profile-grouped.json). This measures, i
          installed, on KVCache (two prompts) and on BatchKVCache with left padding:
          identical tokens, or a first difference at a near tie of the stock run (top two
          logits within one ulp)
+  prologue  qk_norm_rope (the q/k norms and RoPE before the attention, one launch) against
+         mlx-lm's ops (`compare` and bit for bit) and fp32: qwen3 norms and nn.RoPE, llama's
+         nn.RoPE (one position for the batch, and linear scaling at 32k), Llama 3's
+         frequency table, traditional pairs, head size 64 in fp16; then GPU time per call
+         at Qwen3-8B heads, batch 1 and 32, chained as `time` chains: mlx-lm's 4 launches
+         against one
   time   GPU time per call, chained in one CUDA graph, K/V of distinct layers (several
          times the L2 cache): MLX without a mask (cuDNN's decode path, as mlx-lm's KVCache
          decodes), MLX with an additive mask (its vector kernel, as `omlx serve`'s
@@ -22,11 +28,11 @@ on the H200 (docs/benchmarks/decode-h200-profile-grouped.json). This measures, i
          heads, head size 128) at batch 1, 8, 32 and context 1k and 4k; effective GB/s
          of K/V read
 
-    python scripts/bench/attention.py [--parts exact,greedy,time] [--reference] [--workdir DIR] [--repeats 5]
+    python scripts/bench/attention.py [--parts exact,greedy,prologue,time] [--reference] [--workdir DIR] [--repeats 5]
         [--save FILE] [--json]
 
 `--reference` checks the harness where CUDA is absent: MLX's own attention stands in for the
-kernel (exact and greedy).
+kernel, mlx-lm's ops for the prologue's (exact, greedy and prologue; nothing timed).
 """
 
 import argparse
@@ -41,12 +47,12 @@ import mlx.core as mx
 
 # A sibling bench script: this directory is on the path when a script in it runs.
 from decode import L2_BYTES, ONE_GRAPH, bandwidth, chain_seconds, compare, hardware, log
-from omlx_core.kernels import sdpa_decode
+from omlx_core.kernels import qk_norm_rope, sdpa_decode
 
 # MLX reads its graph limits when it first uses the GPU, not at import: each chain is one graph.
 os.environ.update(ONE_GRAPH)
 
-PARTS = ("exact", "greedy", "time")
+PARTS = ("exact", "greedy", "prologue", "time")
 # (batch, query heads, key/value heads, head size, cached tokens, buffer length, dtype, left
 # padding per sequence or None)
 EXACT_CASES = ((1, 32, 8, 128, 1024, 1280, mx.bfloat16, None), (32, 32, 8, 128, 1024, 1280, mx.bfloat16, None),
@@ -210,6 +216,98 @@ def run_greedy(workdir: Path, count: int = 64) -> list[dict]:
     return rows
 
 
+# (norms, rope: (kind, traditional, base or scale), batch, query heads, key/value heads, head
+# size, positions: one int for the batch or one per sequence, dtype)
+PROLOGUE_CASES = ((True, ("rope", False, 1_000_000.0, 1.0), 32, 32, 8, 128, [1024 + 37 * i for i in range(32)],
+                   mx.bfloat16),
+                  (False, ("rope", False, 500_000.0, 1.0), 1, 32, 8, 128, 1023, mx.bfloat16),
+                  (False, ("rope", False, 10_000.0, 0.25), 3, 32, 8, 128, 32_000, mx.bfloat16),
+                  (False, ("llama3", False, 500_000.0, 1.0), 8, 32, 8, 128, [5, 900, 4000, 8191, 17, 0, 1, 2],
+                   mx.bfloat16),
+                  (True, ("rope", True, 10_000.0, 1.0), 5, 16, 4, 64, [3, 70, 700, 7000, 1], mx.float16))
+
+
+def prologue_module(norms: bool, rope: tuple, heads: int, kv_heads: int, dim: int, dtype, seed: int):
+    """An attention module as the prologue reads one: heads, rope, and the norms if any."""
+    import mlx.nn as nn
+    from mlx_lm.models.rope_utils import Llama3RoPE
+
+    kind, traditional, base, scale = rope
+    module = nn.Module()
+    module.n_heads, module.n_kv_heads = heads, kv_heads
+    if kind == "llama3":
+        module.rope = Llama3RoPE(dim, traditional=traditional, base=base,
+                                 scaling_config={"factor": 8.0, "original_max_position_embeddings": 8192})
+    else:
+        module.rope = nn.RoPE(dim, traditional=traditional, base=base, scale=scale)
+    if norms:
+        key_q, key_k = mx.random.split(mx.random.key(seed))
+        module.q_norm, module.k_norm = nn.RMSNorm(dim, eps=1e-6), nn.RMSNorm(dim, eps=1e-6)
+        module.q_norm.weight = (1 + 0.2 * mx.random.normal((dim,), key=key_q)).astype(dtype)
+        module.k_norm.weight = (1 + 0.2 * mx.random.normal((dim,), key=key_k)).astype(dtype)
+    mx.eval(module.parameters())
+    return module
+
+
+def fp32_prologue(module, queries: mx.array, keys: mx.array, offset) -> tuple[mx.array, mx.array]:
+    """The prologue in fp32 throughout (the weights and the rope's tables as fp32)."""
+    def norm(x, weight):
+        x = x.astype(mx.float32)
+        return x * mx.rsqrt(mx.mean(x * x, axis=-1, keepdims=True) + 1e-6) * weight.astype(mx.float32)
+
+    batch = queries.shape[0]
+    q = queries.astype(mx.float32).reshape(batch, 1, module.n_heads, -1)
+    k = keys.astype(mx.float32).reshape(batch, 1, module.n_kv_heads, -1)
+    if "q_norm" in module:
+        q, k = norm(q, module.q_norm.weight), norm(k, module.k_norm.weight)
+    q, k = q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3)
+    return module.rope(q, offset=offset), module.rope(k, offset=offset)
+
+
+def run_prologue(repeats: int, calls: int = 32) -> dict:
+    """Each PROLOGUE_CASES case: ours against mlx-lm's ops (`compare`, and bit for bit) and
+    fp32; then GPU time per call at Qwen3-8B heads."""
+    rows = []
+    for index, (norms, rope, batch, heads, kv_heads, dim, positions, dtype) in enumerate(PROLOGUE_CASES):
+        module = prologue_module(norms, rope, heads, kv_heads, dim, dtype, seed=index)
+        prologue = qk_norm_rope.Prologue.of(module)
+        key_q, key_k = mx.random.split(mx.random.key(100 + index))
+        queries = (3 * mx.random.normal((batch, 1, heads * dim), key=key_q)).astype(dtype)
+        keys = (3 * mx.random.normal((batch, 1, kv_heads * dim), key=key_k)).astype(dtype)
+        offset = mx.array(positions, dtype=mx.int32) if isinstance(positions, list) else positions
+        ours = prologue(module, queries, keys, offset)
+        stock = qk_norm_rope.reference(module, queries, keys, offset)
+        truth = fp32_prologue(module, queries, keys, offset)
+        for name, a, b, t in zip(("q", "k"), ours, stock, truth):
+            row = {"case": index, "tensor": name, "norms": norms, "rope": list(rope), "batch": batch, "heads": heads,
+                   "kv_heads": kv_heads, "dim": dim, "dtype": str(dtype).split(".")[-1],
+                   "identical": bool(mx.array_equal(a, b)),
+                   "mismatched": int(mx.sum(a != b).item()), **compare(a, b, t.astype(mx.float32))}
+            rows.append(row)
+        log(f"prologue case {index} ({'norms, ' if norms else ''}{rope[0]} d{dim} B={batch}): "
+            + ", ".join(f"{r['tensor']} rel {r['rel_max']:.2e} identical={r['identical']} ok={r['ok']}"
+                        for r in rows[-2:]))
+    timed = []
+    for batch in (1, 32) if qk_norm_rope.available() else ():
+        module = prologue_module(True, ("rope", False, 1_000_000.0, 1.0), HEADS, KV_HEADS, HEAD_DIM, mx.bfloat16, 0)
+        prologue = qk_norm_rope.Prologue.of(module)
+        keys = mx.random.normal((batch, 1, KV_HEADS * HEAD_DIM)).astype(mx.bfloat16)
+        q0 = mx.random.normal((batch, 1, HEADS * HEAD_DIM)).astype(mx.bfloat16)
+        offset = mx.array([1024] * batch, dtype=mx.int32)
+        row = {"batch": batch}
+        for name, run in (("mlx_lm", lambda q: qk_norm_rope.reference(module, q, keys, offset)),
+                          ("ours", lambda q: prologue(module, q, keys, offset))):
+            wall, gpu = chain_seconds(lambda i, q: run(q)[0].reshape(batch, 1, -1), q0, calls, repeats)
+            row[f"{name}_us"] = gpu * 1e6
+        timed.append(row)
+        log(f"prologue time B={batch}: mlx-lm {row['mlx_lm_us']:.1f} us, ours {row['ours_us']:.1f} us per call")
+    return {"cases": len(rows), "failed": sum(not r["ok"] for r in rows),
+            "identical": sum(r["identical"] for r in rows), "worst": max(rows, key=lambda r: r["rel_max"]),
+            "rows": rows, "time": timed,
+            "time_method": f"{calls} dependent calls as one CUDA graph, median of {repeats}; GPU us per call "
+                           "(qwen3: norms and RoPE of q and k)"}
+
+
 def run_time(repeats: int, calls: int = 32) -> dict:
     rows = []
     for batch, context in TIME_SHAPES:
@@ -273,6 +371,7 @@ def main() -> None:
     if args.reference:  # MLX's attention, with the mask `starts` stands for, in the kernel's place
         sdpa_decode.launch = lambda q, k, v, scale, starts, locks: mlx_attention(
             q, k, v, scale, None if starts is None else starts.tolist())
+        qk_norm_rope.Prologue.__call__ = lambda self, module, q, k, offset: qk_norm_rope.reference(module, q, k, offset)
     result = {"command": " ".join(sys.argv), "hardware": hardware(), "reference": args.reference}
     for part in parts:
         start = time.perf_counter()
@@ -282,6 +381,8 @@ def main() -> None:
         elif part == "greedy":
             Path(args.workdir).mkdir(parents=True, exist_ok=True)
             result["greedy"] = run_greedy(Path(args.workdir))
+        elif part == "prologue":
+            result["prologue"] = run_prologue(args.repeats)
         else:
             result["time"] = run_time(args.repeats)
         result.setdefault("seconds", {})[part] = round(time.perf_counter() - start, 1)
@@ -297,6 +398,10 @@ def main() -> None:
         for row in result.get("greedy", []):
             print(f"greedy {row['cache']}: identical={row['identical']} agrees={row['agrees']} "
                   f"({row['kernel_calls']} kernel calls)")
+        if "prologue" in result:
+            p = result["prologue"]
+            print(f"prologue: {p['cases'] - p['failed']}/{p['cases']} within 1/128, {p['identical']} bit for bit "
+                  f"mlx-lm's ops; worst rel {p['worst']['rel_max']:.2e}")
 
 
 if __name__ == "__main__":

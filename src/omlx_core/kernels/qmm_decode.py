@@ -22,9 +22,7 @@ The launch shape (`Config`) is chosen per token count and layer shape; the bench
 (scripts/bench/decode.py) measured the candidates on the H200.
 """
 
-import hashlib
 import math
-import re
 from dataclasses import dataclass, replace
 from functools import lru_cache
 
@@ -254,22 +252,11 @@ def launch_bounds(config: Config, dtype: mx.Dtype, bits: int, group_size: int, s
             "}  // namespace mlx::core::cu\n")
 
 
-@lru_cache(maxsize=1)
 def source_text() -> str:
-    """What the kernel's `header` carries of kernels/qmm_decode.cu: an #include of the file
-    by absolute path, with a digest of its content. MLX builds, copies and hashes a custom
-    kernel's whole source on every call (about 10 KB of code here: microseconds on each of
-    a decode step's few hundred calls), while NVRTC reads an included file only when it
-    compiles; the digest changes the source, so the module MLX caches, whenever the file
-    does. A path an #include cannot spell gets the file's text, comments stripped."""
-    from omlx_core.kernels.registry import kernel_path
+    """What the kernel's `header` carries of kernels/qmm_decode.cu (`registry.included_source`)."""
+    from omlx_core.kernels.registry import included_source
 
-    path = kernel_path(SOURCE)
-    text = path.read_text(encoding="utf-8")
-    if any(char in str(path) for char in '"\\\n'):
-        lines = (re.sub(r"\s+//.*$|^\s*//.*$", "", line).strip() for line in text.splitlines())
-        return "\n".join(line for line in lines if line) + "\n"
-    return f'#include "{path}"  // sha256 {hashlib.sha256(text.encode()).hexdigest()[:16]}\n'
+    return included_source(SOURCE)
 
 
 def header(config: Config, dtype: mx.Dtype, bits: int, group_size: int, split: bool = True, segments: int = 1,

@@ -26,6 +26,7 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from omlx_core.errors import OmlxError
+from omlx_core.kernels import qk_norm_rope
 from omlx_core.kernels.registry import HardwareMatch, KernelSpec, ModelMatch, Validation, replace_modules
 
 SOURCE = "sdpa_decode.cu"
@@ -159,6 +160,7 @@ class DecodeAttention(nn.Module):
         object.__setattr__(self, "_kind", type(original))
         object.__setattr__(self, "_forward", type(original).__call__)
         object.__setattr__(self, "_locks", {})  # counters per batch size
+        object.__setattr__(self, "_prologue", qk_norm_rope.Prologue.of(self) if qk_norm_rope.available() else None)
         object.__setattr__(self, "kernel_calls", 0)
 
     def __call__(self, x: mx.array, mask=None, cache=None, residual: mx.array | None = None) -> mx.array:
@@ -174,14 +176,12 @@ class DecodeAttention(nn.Module):
         BatchKVCache's mask (left padding, nothing causal at one token) becomes `starts`."""
         batch = x.shape[0]
         queries, keys, values = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        queries = queries.reshape(batch, 1, self.n_heads, -1)
-        keys = keys.reshape(batch, 1, self.n_kv_heads, -1)
-        if "q_norm" in self:  # qwen3: RMS norm per head (of the last axis: before the transpose or after)
-            queries, keys = self.q_norm(queries), self.k_norm(keys)
-        queries, keys = queries.transpose(0, 2, 1, 3), keys.transpose(0, 2, 1, 3)
+        prologue = self._prologue  # q/k norms and RoPE: one launch where qk_norm_rope takes them
+        if prologue is not None and prologue.takes(self, queries):
+            queries, keys = prologue(self, queries, keys, cache.offset)
+        else:
+            queries, keys = qk_norm_rope.reference(self, queries, keys, cache.offset)
         values = values.reshape(batch, 1, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
-        queries = self.rope(queries, offset=cache.offset)
-        keys = self.rope(keys, offset=cache.offset)
         keys, values = cache.update_and_fetch(keys, values)
         if fusable(queries, keys, values) is not None:  # as mlx-lm's module computes it
             from mlx_lm.models.base import scaled_dot_product_attention
