@@ -21,6 +21,8 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from omlx_core.kernels.qmm_decode import DecodeQuantizedLinear
+from omlx_core.kernels.sdpa_decode import DecodeAttention
+from omlx_core.prefill.fast_paths import unwrap
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3")  # whose block and MLP DecodeBlock restates
 
@@ -33,8 +35,6 @@ def is_block(module) -> bool:
 def down_projection(block) -> DecodeQuantizedLinear | None:
     """The block's down projection as the decode kernel's linear (looked for under a
     prefill wrapper), or None."""
-    from omlx_core.prefill.fast_paths import unwrap
-
     mlp = block.get("mlp") if isinstance(block, nn.Module) else None
     down = unwrap(mlp.get("down_proj")) if isinstance(mlp, nn.Module) else None
     return down if isinstance(down, DecodeQuantizedLinear) else None
@@ -59,8 +59,6 @@ class DecodeBlock(nn.Module):
         down = down_projection(self)  # looked up per call: a later install may replace it
         if down is None or not down.uses_kernel(x):
             return self._forward(self, x, mask, cache)
-        from omlx_core.kernels.sdpa_decode import DecodeAttention
-
         attention, normed = self.self_attn, self.input_layernorm(x)
         if isinstance(attention, DecodeAttention):
             h = attention(normed, mask, cache, residual=x)

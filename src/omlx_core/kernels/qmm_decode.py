@@ -470,10 +470,12 @@ class DecodeQuantizedLinear(nn.QuantizedLinear):
         launch (the swiglu, the residual add) and a round trip of their activations."""
         k = x.shape[-1]
         tokens = x.size // k
+        w = self["weight"]
         if (self._dtype is None or self._group is not None or "bias" in self or tokens > self.max_tokens
                 or tokens < self.min_tokens or x.dtype != self._dtype
                 or (up is not None and (up.shape != x.shape or up.dtype != x.dtype))
-                or (residual is not None and (residual.shape[:-1] != x.shape[:-1] or residual.dtype != x.dtype))):
+                or (residual is not None and (residual.shape != x.shape[:-1] + (w.shape[0],)
+                                              or residual.dtype != x.dtype))):
             from mlx_lm.models.activations import swiglu
 
             out = self(x if up is None else swiglu(x, up))
@@ -482,10 +484,9 @@ class DecodeQuantizedLinear(nn.QuantizedLinear):
         key = (tokens, up is not None, residual is not None)
         launch = self._launches.get(key)
         if launch is None:
-            w = self["weight"]
             launch = self._launches[key] = launch_for((w.shape[0],), k, tokens, x.dtype, self.bits, self.group_size,
                                                       None, *key[1:])
-        return launch(x, [self["weight"], self["scales"], self["biases"]], self["_locks"], up, residual)[0]
+        return launch(x, [w, self["scales"], self["biases"]], self["_locks"], up, residual)[0]
 
 
 class DecodeGroup:

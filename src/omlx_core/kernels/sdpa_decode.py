@@ -27,7 +27,9 @@ import mlx.nn as nn
 
 from omlx_core.errors import OmlxError
 from omlx_core.kernels import qk_norm_rope
+from omlx_core.kernels.qmm_decode import DecodeQuantizedLinear
 from omlx_core.kernels.registry import HardwareMatch, KernelSpec, ModelMatch, Validation, replace_modules
+from omlx_core.prefill.fast_paths import unwrap
 
 SOURCE = "sdpa_decode.cu"
 BODY_MARKER = "// ---- body ----"
@@ -196,9 +198,6 @@ class DecodeAttention(nn.Module):
         output = output.transpose(0, 2, 1, 3).reshape(batch, 1, -1)
         if residual is None:
             return self.o_proj(output)
-        from omlx_core.kernels.qmm_decode import DecodeQuantizedLinear
-        from omlx_core.prefill.fast_paths import unwrap
-
         o_proj = unwrap(self.o_proj)
         if isinstance(o_proj, DecodeQuantizedLinear):
             return o_proj.fused(output, residual=residual)
