@@ -111,7 +111,8 @@ def test_the_kernel_is_handed_what_mlx_lm_computes_from_mocked_cuda(launches, mo
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_decode_attention_takes_the_prologue_launch_mocked_cuda(arch, launches, monkeypatch):
-    monkeypatch.setattr(sdpa_decode, "launch", reference_attention([]))
+    attention_calls = []
+    monkeypatch.setattr(sdpa_decode, "launch", reference_attention(attention_calls))
     model = tiny_model(arch)
     prompt = mx.array([[3, 14, 15, 92, 65, 35, 89, 79]] * 2, dtype=mx.int32)
     stock = decode_logits(model, make_prompt_cache(model), prompt)
@@ -124,6 +125,10 @@ def test_decode_attention_takes_the_prologue_launch_mocked_cuda(arch, launches, 
     cache = [BatchKVCache([0, 2]) for _ in model.layers]
     decode_logits(model, cache, prompt, steps=1)
     assert launches[-1]["template"]["PER_SEQ"] is True  # a batch cache: a position per sequence
+    before = len(launches)
+    one = decode_logits(model, make_prompt_cache(model), prompt[:1], steps=2)  # one sequence: MLX's attention
+    assert len(launches) == before + 2 * 2 and len(attention_calls) == 4 * 2 + 2
+    assert all(o.shape == (1, 1, 97) for o in one)
 
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")

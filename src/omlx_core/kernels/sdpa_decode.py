@@ -17,6 +17,9 @@ the file's comment).
 Validated on the H200 for llama-architecture models (scripts/bench/attention.py: exact
 against MLX and fp32, greedy decode; decode.py and serve.py: the whole step and 32 streams),
 so `auto` installs it there; one sequence at a time stays on MLX's attention (MIN_BATCH).
+Its one-token steps begin with `qk_norm_rope`'s prologue (q/k norms and RoPE in one launch)
+where MLX runs CUDA kernels, and the output projection adds the layer's residual when
+decode_block's DecodeBlock asks (`residual`).
 """
 
 import math
@@ -168,14 +171,15 @@ class DecodeAttention(nn.Module):
     def __call__(self, x: mx.array, mask=None, cache=None, residual: mx.array | None = None) -> mx.array:
         """mlx-lm's forward, plus `residual` if given (decode_block's DecodeBlock passes
         the layer's input: the output projection adds it in its launch where it can)."""
-        if x.shape[1] != 1 or x.shape[0] < MIN_BATCH or type(cache).__name__ not in CACHES:
+        if x.shape[1] != 1 or type(cache).__name__ not in CACHES:
             out = self._forward(self, x, mask, cache)
             return out if residual is None else residual + out
         return self.decode(x, mask, cache, residual)
 
     def decode(self, x: mx.array, mask, cache, residual: mx.array | None = None) -> mx.array:
-        """mlx-lm's forward for one token per sequence, the kernel for its attention; a
-        BatchKVCache's mask (left padding, nothing causal at one token) becomes `starts`."""
+        """mlx-lm's forward for one token per sequence, qk_norm_rope's prologue and, from
+        MIN_BATCH sequences, the kernel for its attention; a BatchKVCache's mask (left
+        padding, nothing causal at one token) becomes `starts`."""
         batch = x.shape[0]
         queries, keys, values = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         prologue = self._prologue  # q/k norms and RoPE: one launch where qk_norm_rope takes them
@@ -185,7 +189,7 @@ class DecodeAttention(nn.Module):
             queries, keys = qk_norm_rope.reference(self, queries, keys, cache.offset)
         values = values.reshape(batch, 1, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
         keys, values = cache.update_and_fetch(keys, values)
-        if fusable(queries, keys, values) is not None:  # as mlx-lm's module computes it
+        if batch < MIN_BATCH or fusable(queries, keys, values) is not None:  # as mlx-lm's module computes it
             from mlx_lm.models.base import scaled_dot_product_attention
 
             output = scaled_dot_product_attention(queries, keys, values, cache=cache, scale=self.scale, mask=mask)
