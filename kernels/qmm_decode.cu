@@ -231,7 +231,8 @@ __device__ __forceinline__ void qmm_decode(
   // decode-h200-qmm-ncu.json).
   const int lg = M > 1 ? 32 - __clz(M - 1) : 0;  // log2 of the token slots
   const int k0 = first * 128;
-  // A gated unit is two loads (gate and up): half as many units in flight, the same bytes.
+  // A gated unit is two loads (gate and up) and swiglu's arithmetic: a quarter as many in
+  // flight, or the staging spills (the first two rounds of weights already hold registers).
   constexpr int SU = !GATED ? SL : SL >= 4 ? SL / 4 : 1;
   const int units = (per_cta * 16) << lg;
   for (int base = threadIdx.x; base < units; base += SU * blockDim.x) {
