@@ -15,6 +15,10 @@
 // last CTA of a row tile to finish adds them in a fixed order and resets its counter):
 // enough CTAs stream the weights to reach HBM bandwidth even when N is small.
 //
+// Two fused forms save a decoder layer launches (omlx_core/kernels/decode_block.py): GATED
+// stages swiglu(gate, up) of two inputs as x (the MLP's down projection), RES adds a
+// residual to the output (both output projections), each rounding as MLX's separate op.
+//
 // The `header` of the mx.fast.cuda_kernel #includes this file by path; the kernel body
 // only calls qmm_decode<...>() (see omlx_core/kernels/qmm_decode.py).
 
