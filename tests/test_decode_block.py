@@ -42,6 +42,7 @@ def test_fused_blocks_decode_as_mlx_lm_does_mocked_cuda(arch, launches):
     stock = decode_logits(model, make_prompt_cache(model), PROMPT)
     qmm_decode.install(model, formats=ALL_FORMATS)
     sdpa_decode.install(model)
+    assert sorted(decode_block.install(model)) == [f"model.layers.{i}" for i in range(2)]
     assert all(type(layer) is DecodeBlock for layer in model.layers)
     ours = decode_logits(model, make_prompt_cache(model), PROMPT)
     for a, b in zip(stock, ours):
@@ -56,6 +57,7 @@ def test_without_decode_attention_the_block_adds_attentions_residual_itself_mock
     model = tiny_model("llama")
     stock = decode_logits(model, make_prompt_cache(model), PROMPT)
     qmm_decode.install(model, formats=ALL_FORMATS)
+    decode_block.install(model)
     ours = decode_logits(model, make_prompt_cache(model), PROMPT)
     for a, b in zip(stock, ours):
         assert mx.array_equal(a, b)
@@ -67,15 +69,14 @@ def test_inputs_beyond_the_kernels_token_counts_run_mlx_lms_block_mocked_cuda(la
     prompt = mx.array([list(range(40))] * 2, dtype=mx.int32)  # 80 tokens: prefill-sized
     stock = model(prompt)
     qmm_decode.install(model, formats=ALL_FORMATS)
+    decode_block.install(model)
     assert mx.array_equal(model(prompt), stock) and launches == []
 
 
-def test_install_without_fusion_and_plain_leave_mlx_lms_blocks(launches):
-    model = tiny_model("llama")
-    qmm_decode.install(model, formats=ALL_FORMATS, fuse=False)
-    assert all(type(layer).__name__ == "TransformerBlock" for layer in model.layers)
+def test_plain_gives_mlx_lms_block_back(launches):
     model = tiny_model("llama")
     qmm_decode.install(model, formats=ALL_FORMATS)
+    decode_block.install(model)
     block = model.layers[0]
     restored = decode_block.plain(block)
     assert type(restored).__name__ == "TransformerBlock" and restored.mlp is block.mlp
@@ -85,7 +86,27 @@ def test_install_without_fusion_and_plain_leave_mlx_lms_blocks(launches):
 
 def test_no_decode_linear_no_decode_block():
     model = tiny_model("llama")
-    assert decode_block.install(model) == []
+    assert decode_block.install(model) == [] and not decode_block.SPEC.applies(model)
+
+
+def test_registered_after_the_kernels_it_builds_on_and_off_until_validated(launches):
+    from omlx_core.kernels.catalog import registered
+    from omlx_core.kernels.registry import install_kernels
+
+    names = [spec.name for spec in registered()]
+    assert names.index("decode_block") > names.index("qmm_decode")
+    assert names.index("qk_norm_rope") > names.index("sdpa_decode")
+    h200 = {"backend": "cuda", "arch": "sm_90", "gpu": "NVIDIA H200"}
+    model = tiny_model("llama")
+    report = install_kernels(model, None, {}, hardware=h200)
+    decisions = {d.kernel: d for d in report.decisions}
+    assert not decisions["decode_block"].active and "validated" in decisions["decode_block"].reason
+    assert all(type(layer).__name__ == "TransformerBlock" for layer in model.layers)
+    model = tiny_model("llama")
+    forced = {"kernels.qmm_decode": "on", "kernels.decode_block": "on"}
+    report = install_kernels(model, None, forced, hardware=h200)
+    assert sorted(report.replaced["decode_block"]) == ["model.layers.0", "model.layers.1"]
+    assert all(type(layer) is DecodeBlock for layer in model.layers)
 
 
 def test_fused_falls_back_to_mlx_ops_where_the_kernel_does_not_take_the_layer_mocked_cuda(launches):

@@ -87,7 +87,6 @@ def stand_in(calls: list):
 def launches(monkeypatch) -> list:
     calls = []
     monkeypatch.setattr(qk_norm_rope, "_kernel", stand_in(calls))
-    monkeypatch.setattr(qk_norm_rope, "available", lambda: True)
     return calls
 
 
@@ -117,6 +116,8 @@ def test_decode_attention_takes_the_prologue_launch_mocked_cuda(arch, launches, 
     prompt = mx.array([[3, 14, 15, 92, 65, 35, 89, 79]] * 2, dtype=mx.int32)
     stock = decode_logits(model, make_prompt_cache(model), prompt)
     sdpa_decode.install(model)
+    assert qk_norm_rope.SPEC.applies(model)
+    assert sorted(qk_norm_rope.install(model)) == [f"model.layers.{i}.self_attn" for i in range(2)]
     ours = decode_logits(model, make_prompt_cache(model), prompt)
     for a, b in zip(stock, ours):
         assert mx.allclose(a.astype(mx.float32), b.astype(mx.float32), atol=0.05, rtol=0.05)
@@ -145,3 +146,9 @@ def test_kernel_compiles_for_sm90_without_spills(tmp_path, dtype, dim, heads, kv
     assert done.returncode == 0, done.stderr[-2000:]
     assert int(re.search(r"(\d+) bytes spill stores", done.stderr).group(1)) == 0
     assert int(re.search(r"Used (\d+) registers", done.stderr).group(1)) <= 64
+
+
+def test_without_sdpa_decode_there_is_no_prologue_to_install():
+    model = tiny_model("llama")
+    assert not qk_norm_rope.SPEC.applies(model) and qk_norm_rope.install(model) == []
+    assert "kernels.sdpa_decode" in qk_norm_rope.SPEC.absent

@@ -13,7 +13,7 @@ import mlx.core as mx
 import pytest
 
 from omlx_core.errors import OmlxError
-from omlx_core.kernels import sdpa_decode
+from omlx_core.kernels import qk_norm_rope, sdpa_decode
 
 BENCH = Path(__file__).resolve().parents[1] / "scripts" / "bench"
 
@@ -243,6 +243,8 @@ def test_benchmark_greedy_check_passes_the_reference_and_catches_ignored_padding
 
     calls = []
     monkeypatch.setattr(sdpa_decode, "launch", reference_kernel(calls))
+    monkeypatch.setattr(qk_norm_rope.Prologue, "__call__",  # mlx-lm's ops in the prologue's place (no CUDA)
+                        lambda self, module, q, k, offset: qk_norm_rope.reference(module, q, k, offset))
     good = attention.run_greedy(tmp_path, count=12)
     assert [row["identical"] and row["agrees"] for row in good] == [True, True]
     assert all(row["kernel_calls"] == 12 * 4 for row in good)  # every step of the tiny llama's 4 layers

@@ -12,7 +12,7 @@ on the H200 (docs/benchmarks/decode-h200-profile-grouped.json). This measures, i
          the largest output)
   greedy 64-token greedy decode of a tiny fp16 llama (head size 64, 2 query heads per
          key/value head; 4-bit g64) from a 9-token prompt, stock against sdpa_decode
-         installed, on KVCache (two prompts) and on BatchKVCache with left padding:
+         installed with qk_norm_rope's prologue, on KVCache (two prompts) and on BatchKVCache with left padding:
          identical tokens, or a first difference at a near tie of the stock run (top two
          logits within one ulp)
   prologue  qk_norm_rope (the q/k norms and RoPE before the attention, one launch) against
@@ -191,6 +191,7 @@ def run_greedy(workdir: Path, count: int = 64) -> list[dict]:
             "batch": (lambda: [BatchKVCache([0, 4]) for _ in model.layers], padded)}
     stock = {name: greedy_run(model, make(), prompts, count) for name, (make, prompts) in runs.items()}
     paths = sdpa_decode.install(model)
+    paths = qk_norm_rope.install(model) or paths  # the prologue's launch too (the same modules, replaced)
     modules = dict(model.named_modules())
     rows = []
     for name, (make, prompts) in runs.items():
@@ -264,9 +265,9 @@ def fp32_prologue(module, queries: mx.array, keys: mx.array, offset) -> tuple[mx
     return module.rope(q, offset=offset), module.rope(k, offset=offset)
 
 
-def run_prologue(repeats: int, calls: int = 32) -> dict:
+def run_prologue(repeats: int, timed_too: bool, calls: int = 32) -> dict:
     """Each PROLOGUE_CASES case: ours against mlx-lm's ops (`compare`, and bit for bit) and
-    fp32; then GPU time per call at Qwen3-8B heads."""
+    fp32; then (`timed_too`) GPU time per call at Qwen3-8B heads."""
     rows = []
     for index, (norms, rope, batch, heads, kv_heads, dim, positions, dtype) in enumerate(PROLOGUE_CASES):
         module = prologue_module(norms, rope, heads, kv_heads, dim, dtype, seed=index)
@@ -288,7 +289,7 @@ def run_prologue(repeats: int, calls: int = 32) -> dict:
             + ", ".join(f"{r['tensor']} rel {r['rel_max']:.2e} identical={r['identical']} ok={r['ok']}"
                         for r in rows[-2:]))
     timed = []
-    for batch in (1, 32) if qk_norm_rope.available() else ():
+    for batch in (1, 32) if timed_too else ():
         module = prologue_module(True, ("rope", False, 1_000_000.0, 1.0), HEADS, KV_HEADS, HEAD_DIM, mx.bfloat16, 0)
         prologue = qk_norm_rope.Prologue.of(module)
         keys = mx.random.normal((batch, 1, KV_HEADS * HEAD_DIM)).astype(mx.bfloat16)
@@ -382,7 +383,7 @@ def main() -> None:
             Path(args.workdir).mkdir(parents=True, exist_ok=True)
             result["greedy"] = run_greedy(Path(args.workdir))
         elif part == "prologue":
-            result["prologue"] = run_prologue(args.repeats)
+            result["prologue"] = run_prologue(args.repeats, timed_too=not args.reference)
         else:
             result["time"] = run_time(args.repeats)
         result.setdefault("seconds", {})[part] = round(time.perf_counter() - start, 1)

@@ -289,7 +289,10 @@ def run_greedy(matmul_name: str, workdir: Path, count: int = 64, quick: bool = F
         if matmul_name == "dense":
             layers = install_dense_copy(model, {"compute.dense_copy": "on"}, backend="cuda").layers
         else:
+            from omlx_core.kernels import decode_block
+
             paths = qmm_decode.install(model, formats=qmm_decode.ALL_FORMATS, min_tokens=1)
+            decode_block.install(model)  # the fused launches too, where the model's layers take them
             modules = dict(model.named_modules())
             layers = [modules[p] for p in paths]
         ours = greedy_tokens(model, prompt, count)
@@ -773,9 +776,9 @@ def decode_step_seconds(model, cache, batch: int, steps: int, repeats: int) -> d
     return {name: statistics.median(values) for name, values in timings.items()}
 
 
-# The model part's: kernel = grouped launches and decode_block's fused ones; kernel_attention =
-# that and sdpa_decode's attention; kernel_attention_unfused = the same without decode_block.
-VARIANTS = ("stock", "kernel_ungrouped", "kernel", "kernel_attention", "kernel_attention_unfused", "dense_copy")
+# The model part's: kernel = grouped launches; kernel_attention = that and sdpa_decode's attention;
+# fused = that, qk_norm_rope's prologue and decode_block's fused launches.
+VARIANTS = ("stock", "kernel_ungrouped", "kernel", "kernel_attention", "fused", "dense_copy")
 
 
 def install_variant(model, name: str) -> dict:
@@ -784,13 +787,16 @@ def install_variant(model, name: str) -> dict:
 
     if name == "kernel_ungrouped":
         qmm_decode.install(model, formats=qmm_decode.ALL_FORMATS, min_tokens=1, group=False)
-    elif name in ("kernel", "kernel_attention", "kernel_attention_unfused"):
-        if name != "kernel":
-            from omlx_core.kernels import sdpa_decode
+    elif name in ("kernel", "kernel_attention", "fused"):
+        from omlx_core.kernels import decode_block, qk_norm_rope, sdpa_decode
 
+        layers = qmm_decode.install(model, formats=qmm_decode.ALL_FORMATS, min_tokens=1)
+        if name != "kernel":
             sdpa_decode.install(model)
-        return {"layers": len(qmm_decode.install(model, formats=qmm_decode.ALL_FORMATS, min_tokens=1,
-                                                 fuse=name != "kernel_attention_unfused"))}
+        if name == "fused":
+            return {"layers": len(layers), "prologues": len(qk_norm_rope.install(model)),
+                    "blocks": len(decode_block.install(model))}
+        return {"layers": len(layers)}
     elif name == "dense_copy":
         return {"extra_bytes": install_dense_copy(model, {"compute.dense_copy": "on"}, backend="cuda").extra_bytes}
     return {}

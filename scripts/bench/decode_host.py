@@ -13,8 +13,9 @@ BatchKVCache as `omlx serve` does:
   wait       the rest of a waited-for step: the GPU's time after the encoding
   pipelined  a step while the next one is built and encoded (mlx-lm's generators)
 
-for `stock` (mlx-lm's modules) and `kernels` (qmm_decode's grouped launches and
-sdpa_decode installed: CUDA only, reported as skipped elsewhere), as decode.py's model part
+for `stock` (mlx-lm's modules), `kernels` (qmm_decode's grouped launches and sdpa_decode
+installed: CUDA only, reported as skipped elsewhere) and `fused` (also qk_norm_rope's
+prologue and decode_block's fused launches), as decode.py's model part
 measures them (`decode_step_seconds`) on this smaller model. For the last variant run:
 
   --python-profile   cProfile over pipelined steps: each Python function's own
@@ -38,7 +39,7 @@ import sys
 import time
 from pathlib import Path
 
-VARIANTS = ("stock", "kernels")
+VARIANTS = ("stock", "kernels", "fused")
 
 
 def build_model(layers: int, hidden: int):
@@ -65,12 +66,15 @@ def install(model, variant: str) -> str:
     """Put `variant` in place; empty, or why it cannot run here."""
     if variant == "stock":
         return ""
-    from omlx_core.kernels import qmm_decode, sdpa_decode
+    from omlx_core.kernels import decode_block, qk_norm_rope, qmm_decode, sdpa_decode
 
     if why := qmm_decode.kernel_available():
         return why
     qmm_decode.install(model, formats=qmm_decode.ALL_FORMATS, min_tokens=1)
     sdpa_decode.install(model)
+    if variant == "fused":
+        qk_norm_rope.install(model)
+        decode_block.install(model)
     return ""
 
 

@@ -8,6 +8,8 @@ mlx-lm's), its source under `kernels/`, a `kernels.<name>` setting in
 
 
 def registered() -> tuple:
-    from omlx_core.kernels import dequantize, indexer_score, qmm_decode, sdpa_decode
+    from omlx_core.kernels import decode_block, dequantize, indexer_score, qk_norm_rope, qmm_decode, sdpa_decode
 
-    return (indexer_score.SPEC, qmm_decode.SPEC, dequantize.SPEC, sdpa_decode.SPEC)
+    # qk_norm_rope and decode_block build on what qmm_decode and sdpa_decode installed: after them.
+    return (indexer_score.SPEC, qmm_decode.SPEC, dequantize.SPEC, sdpa_decode.SPEC, qk_norm_rope.SPEC,
+            decode_block.SPEC)

@@ -14,13 +14,14 @@ launches fewer per layer, the same roundings as MLX's separate ops.
   through `DecodeAttention`'s `residual`, else added here); every other input runs
   mlx-lm's forward on this module.
 - `install(model)` replaces the blocks whose down projection is a DecodeQuantizedLinear
-  (qmm_decode's install calls it); `plain(module)` undoes it.
+  (a registered kernel of its own, after qmm_decode; not yet validated on any GPU, so
+  `auto` leaves it off and `on` tries it); `plain(module)` undoes it.
 """
 
 import mlx.core as mx
 import mlx.nn as nn
 
-from omlx_core.kernels.qmm_decode import DecodeQuantizedLinear
+from omlx_core.kernels.qmm_decode import SOURCE, DecodeQuantizedLinear
 from omlx_core.kernels.sdpa_decode import DecodeAttention
 from omlx_core.prefill.fast_paths import unwrap
 
@@ -84,13 +85,31 @@ def plain(module) -> nn.Module:
     return original
 
 
+def block_paths(model) -> list[str]:
+    return [path for path, module in model.named_modules() if is_block(module) and down_projection(module) is not None]
+
+
 def install(model) -> list[str]:
     """Replace every block of ARCHITECTURES whose down projection is a DecodeQuantizedLinear
     by a DecodeBlock; their paths."""
-    from omlx_core.prefill.split import replace_module
+    from omlx_core.kernels.registry import replace_modules
 
-    built = {path: DecodeBlock(module) for path, module in model.named_modules()
-             if is_block(module) and down_projection(module) is not None}
-    for path, module in built.items():
-        replace_module(model, path, module)
-    return list(built)
+    return replace_modules(model, SOURCE, block_paths(model), DecodeBlock)
+
+
+def _spec():
+    from omlx_core.kernels.registry import KernelSpec
+
+    return KernelSpec(
+        name="decode_block",
+        replaces="mlx-lm's llama/qwen2/qwen3 decoder layer at decode sizes: its residual adds and swiglu "
+                 "inside qmm_decode's launches",
+        source=SOURCE,
+        validated=(),
+        applies=lambda model: bool(block_paths(model)),
+        absent="llama, qwen2 or qwen3 layers on qmm_decode's linears (kernels.qmm_decode active)",
+        install=install,
+    )
+
+
+SPEC = _spec()

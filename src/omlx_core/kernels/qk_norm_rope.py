@@ -12,6 +12,9 @@ does it all in one launch with MLX's roundings (see the file's comment).
   as a projection gives them to [B, Hq, 1, D] and [B, Hkv, 1, D], normed and rotated.
 - `reference(attention, queries, keys, offset)`: the same by mlx-lm's own ops (the path
   wherever the kernel does not run, and the benchmark's baseline).
+- `install(model)`: gives every sdpa_decode DecodeAttention of the model its Prologue (a
+  registered kernel of its own, after sdpa_decode; not yet validated on any GPU, so `auto`
+  leaves it off and `on` tries it).
 """
 
 import math
@@ -25,13 +28,6 @@ SOURCE = "qk_norm_rope.cu"
 HEAD_DIMS = (64, 128)
 DTYPES = {mx.bfloat16: "__nv_bfloat16", mx.float16: "__half"}
 THREADS = 128  # four rows (warps) a CTA
-
-
-def available() -> bool:
-    """Whether MLX runs CUDA kernels here (elsewhere `reference` is the prologue)."""
-    from omlx_core.hardware import mlx_backend
-
-    return mlx_backend() == "cuda"
 
 
 def reference(attention, queries: mx.array, keys: mx.array, offset) -> tuple[mx.array, mx.array]:
@@ -179,3 +175,36 @@ def generated_source(dtype: mx.Dtype, dim: int, q_heads: int, kv_heads: int, nor
             f"  using T = {t};\n  constexpr int D = {dim};\n  constexpr int HQ = {q_heads};\n"
             f"  constexpr int HKV = {kv_heads};\n" + constants + "  " + body(norm, freqs) + "\n}\n\n"
             "} // namespace mlx::core::cu\n")
+
+
+def decode_attention_paths(model) -> list[str]:
+    from omlx_core.kernels.sdpa_decode import DecodeAttention
+
+    return [path for path, module in model.named_modules() if isinstance(module, DecodeAttention)]
+
+
+def install(model) -> list[str]:
+    """Replace every DecodeAttention whose prologue the kernel takes by one that runs it."""
+    from omlx_core.kernels.registry import replace_modules
+    from omlx_core.kernels.sdpa_decode import DecodeAttention, plain
+
+    modules = dict(model.named_modules())
+    paths = [path for path in decode_attention_paths(model) if Prologue.of(modules[path]) is not None]
+    return replace_modules(model, SOURCE, paths, lambda module: DecodeAttention(plain(module), Prologue.of(module)))
+
+
+def _spec():
+    from omlx_core.kernels.registry import KernelSpec
+
+    return KernelSpec(
+        name="qk_norm_rope",
+        replaces="mlx-lm's q/k RMS norms and RoPE at one token per sequence (decode), inside sdpa_decode's attention",
+        source=SOURCE,
+        validated=(),
+        applies=lambda model: bool(decode_attention_paths(model)),
+        absent="sdpa_decode's attention (kernels.sdpa_decode active)",
+        install=install,
+    )
+
+
+SPEC = _spec()

@@ -588,14 +588,12 @@ def applies(model) -> bool:
 
 
 def install(model, max_tokens: int = MAX_TOKENS, formats: tuple | None = None,
-            min_tokens: int = MIN_TOKENS, group: bool = True, fuse: bool = True) -> list[str]:
+            min_tokens: int = MIN_TOKENS, group: bool = True) -> list[str]:
     """Replace every eligible quantized linear (also inside prefill wrappers) by a
     DecodeQuantizedLinear for `min_tokens`..`max_tokens` tokens, siblings of one input
     grouped into one launch (GROUPS); returns their paths. All are built before any is
     replaced. `formats` defaults to those that passed the exactness check on the device
-    (`ALL_FORMATS` for the check itself); `group=False` launches each linear alone;
-    `fuse` (with `group`) also gives decoder layers decode_block's fused launches."""
-    from omlx_core.kernels import decode_block
+    (`ALL_FORMATS` for the check itself); `group=False` launches each linear alone."""
     from omlx_core.prefill.split import replace_module
 
     formats = VALIDATED if formats is None else formats
@@ -605,8 +603,6 @@ def install(model, max_tokens: int = MAX_TOKENS, formats: tuple | None = None,
         group_siblings(built)
     for path, module in built.items():
         replace_module(model, path, module)
-    if group and fuse:
-        decode_block.install(model)
     return list(built)
 
 

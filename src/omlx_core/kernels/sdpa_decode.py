@@ -17,9 +17,9 @@ the file's comment).
 Validated on the H200 for llama-architecture models (scripts/bench/attention.py: exact
 against MLX and fp32, greedy decode; decode.py and serve.py: the whole step and 32 streams),
 so `auto` installs it there; one sequence at a time stays on MLX's attention (MIN_BATCH).
-Its one-token steps begin with `qk_norm_rope`'s prologue (q/k norms and RoPE in one launch)
-where MLX runs CUDA kernels, and the output projection adds the layer's residual when
-decode_block's DecodeBlock asks (`residual`).
+Where the `qk_norm_rope` kernel is installed too, its one-token steps begin with that
+prologue (q/k norms and RoPE in one launch), and the output projection adds the layer's
+residual when decode_block's DecodeBlock asks (`residual`).
 """
 
 import math
@@ -155,7 +155,7 @@ class DecodeAttention(nn.Module):
     mlx-lm's own forward on this module (and sees any linear replaced here later, as a
     prefill path's wrapper)."""
 
-    def __init__(self, original):
+    def __init__(self, original, prologue: "qk_norm_rope.Prologue | None" = None):
         super().__init__()
         for name, module in original.items():  # q/k/v/o (maybe a qmm_decode group), norms, rope
             setattr(self, name, module)
@@ -165,7 +165,7 @@ class DecodeAttention(nn.Module):
         object.__setattr__(self, "_kind", type(original))
         object.__setattr__(self, "_forward", type(original).__call__)
         object.__setattr__(self, "_locks", {})  # counters per batch size
-        object.__setattr__(self, "_prologue", qk_norm_rope.Prologue.of(self) if qk_norm_rope.available() else None)
+        object.__setattr__(self, "_prologue", prologue)  # qk_norm_rope's install gives one
         object.__setattr__(self, "kernel_calls", 0)
 
     def __call__(self, x: mx.array, mask=None, cache=None, residual: mx.array | None = None) -> mx.array:
