@@ -171,7 +171,7 @@ def generated_source(dtype: mx.Dtype, dim: int, q_heads: int, kv_heads: int, nor
     flags = {"NORM": norm, "TRADITIONAL": traditional, "FREQS": freqs, "PER_SEQ": per_sequence}
     constants = "".join(f"  constexpr bool {name} = {str(value).lower()};\n" for name, value in flags.items())
     return (STANDALONE_PRELUDE + included_source(SOURCE) + "namespace mlx::core::cu {\n\n"
-            f"__global__ void custom_kernel_omlx_qk_norm_rope(\n    " + ",\n    ".join(params) + ") {\n"
+            "__global__ void custom_kernel_omlx_qk_norm_rope(\n    " + ",\n    ".join(params) + ") {\n"
             f"  using T = {t};\n  constexpr int D = {dim};\n  constexpr int HQ = {q_heads};\n"
             f"  constexpr int HKV = {kv_heads};\n" + constants + "  " + body(norm, freqs) + "\n}\n\n"
             "} // namespace mlx::core::cu\n")
