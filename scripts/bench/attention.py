@@ -252,15 +252,15 @@ def prologue_module(norms: bool, rope: tuple, heads: int, kv_heads: int, dim: in
 
 def fp32_prologue(module, queries: mx.array, keys: mx.array, offset) -> tuple[mx.array, mx.array]:
     """The prologue in fp32 throughout (the weights and the rope's tables as fp32)."""
-    def norm(x, weight):
+    def norm(x, layer):
         x = x.astype(mx.float32)
-        return x * mx.rsqrt(mx.mean(x * x, axis=-1, keepdims=True) + 1e-6) * weight.astype(mx.float32)
+        return x * mx.rsqrt(mx.mean(x * x, axis=-1, keepdims=True) + layer.eps) * layer.weight.astype(mx.float32)
 
     batch = queries.shape[0]
     q = queries.astype(mx.float32).reshape(batch, 1, module.n_heads, -1)
     k = keys.astype(mx.float32).reshape(batch, 1, module.n_kv_heads, -1)
     if "q_norm" in module:
-        q, k = norm(q, module.q_norm.weight), norm(k, module.k_norm.weight)
+        q, k = norm(q, module.q_norm), norm(k, module.k_norm)
     q, k = q.transpose(0, 2, 1, 3), k.transpose(0, 2, 1, 3)
     return module.rope(q, offset=offset), module.rope(k, offset=offset)
 

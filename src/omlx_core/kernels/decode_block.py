@@ -22,6 +22,8 @@ import mlx.core as mx
 import mlx.nn as nn
 
 from omlx_core.kernels.qmm_decode import SOURCE, DecodeQuantizedLinear
+from omlx_core.kernels.registry import KernelSpec, replace_modules
+from omlx_core.kernels.restated import Restated
 from omlx_core.kernels.sdpa_decode import DecodeAttention
 from omlx_core.prefill.fast_paths import unwrap
 
@@ -41,20 +43,9 @@ def down_projection(block) -> DecodeQuantizedLinear | None:
     return down if isinstance(down, DecodeQuantizedLinear) else None
 
 
-class DecodeBlock(nn.Module):
+class DecodeBlock(Restated):
     """mlx-lm's TransformerBlock of ARCHITECTURES, its decode-sized steps on the fused
-    launches: the same modules under the same names and the same attributes, so every
-    other call runs mlx-lm's own forward on this module."""
-
-    def __init__(self, original):
-        super().__init__()
-        for name, module in original.items():  # self_attn, mlp, the two norms
-            setattr(self, name, module)
-        for name, value in vars(original).items():  # args, hidden_size, ...
-            if not name.startswith("_"):
-                setattr(self, name, value)
-        object.__setattr__(self, "_kind", type(original))
-        object.__setattr__(self, "_forward", type(original).__call__)
+    launches (a Restated module: every other call runs mlx-lm's forward)."""
 
     def __call__(self, x: mx.array, mask=None, cache=None) -> mx.array:
         down = down_projection(self)  # looked up per call: a later install may replace it
@@ -73,16 +64,7 @@ class DecodeBlock(nn.Module):
 def plain(module) -> nn.Module:
     """mlx-lm's TransformerBlock of the same modules and attributes for a DecodeBlock
     (undoes `install`); any other module as given."""
-    if not isinstance(module, DecodeBlock):
-        return module
-    original = module._kind.__new__(module._kind)
-    nn.Module.__init__(original)
-    for name, child in module.items():
-        setattr(original, name, child)
-    for name, value in vars(module).items():
-        if not name.startswith("_"):
-            setattr(original, name, value)
-    return original
+    return module.original() if isinstance(module, DecodeBlock) else module
 
 
 def block_paths(model) -> list[str]:
@@ -92,24 +74,16 @@ def block_paths(model) -> list[str]:
 def install(model) -> list[str]:
     """Replace every block of ARCHITECTURES whose down projection is a DecodeQuantizedLinear
     by a DecodeBlock; their paths."""
-    from omlx_core.kernels.registry import replace_modules
-
     return replace_modules(model, SOURCE, block_paths(model), DecodeBlock)
 
 
-def _spec():
-    from omlx_core.kernels.registry import KernelSpec
-
-    return KernelSpec(
-        name="decode_block",
-        replaces="mlx-lm's llama/qwen2/qwen3 decoder layer at decode sizes: its residual adds and swiglu "
-                 "inside qmm_decode's launches",
-        source=SOURCE,
-        validated=(),
-        applies=lambda model: bool(block_paths(model)),
-        absent="llama, qwen2 or qwen3 layers on qmm_decode's linears (kernels.qmm_decode active)",
-        install=install,
-    )
-
-
-SPEC = _spec()
+SPEC = KernelSpec(
+    name="decode_block",
+    replaces="mlx-lm's llama/qwen2/qwen3 decoder layer at decode sizes: its residual adds and swiglu "
+             "inside qmm_decode's launches",
+    source=SOURCE,
+    validated=(),
+    applies=lambda model: bool(block_paths(model)),
+    absent="llama, qwen2 or qwen3 layers on qmm_decode's linears (kernels.qmm_decode active)",
+    install=install,
+)

@@ -24,6 +24,8 @@ from functools import lru_cache
 import mlx.core as mx
 import mlx.nn as nn
 
+from omlx_core.kernels.registry import KernelSpec, included_source, replace_modules
+
 SOURCE = "qk_norm_rope.cu"
 HEAD_DIMS = (64, 128)
 DTYPES = {mx.bfloat16: "__nv_bfloat16", mx.float16: "__half"}
@@ -142,8 +144,6 @@ def body(norm: bool, freqs: bool) -> str:
 
 @lru_cache(maxsize=None)
 def _kernel(norm: bool, freqs: bool):
-    from omlx_core.kernels.registry import included_source
-
     return mx.fast.cuda_kernel(name=f"omlx_qk_norm_rope{'_norm' if norm else ''}{'_freqs' if freqs else ''}",
                                input_names=inputs(norm, freqs), output_names=["q_out", "k_out"],
                                source=body(norm, freqs), header=included_source(SOURCE), ensure_row_contiguous=True)
@@ -161,8 +161,6 @@ def generated_source(dtype: mx.Dtype, dim: int, q_heads: int, kv_heads: int, nor
     """The translation unit mx.fast.cuda_kernel compiles for these template values (its
     wrapper written out the way MLX 0.32 writes it), with a stand-in for MLX's device
     header: for `nvcc -arch=sm_90a` on a machine with no GPU."""
-    from omlx_core.kernels.registry import included_source
-
     t = DTYPES[dtype]
     types = {"q": t, "k": t, "q_weight": t, "k_weight": t, "freqs": "float", "offsets": "int32_t", "params": "float"}
     params = [f"const {types[name]}* {name}" for name in inputs(norm, freqs)]
@@ -185,26 +183,19 @@ def decode_attention_paths(model) -> list[str]:
 
 def install(model) -> list[str]:
     """Replace every DecodeAttention whose prologue the kernel takes by one that runs it."""
-    from omlx_core.kernels.registry import replace_modules
-    from omlx_core.kernels.sdpa_decode import DecodeAttention, plain
+    from omlx_core.kernels.sdpa_decode import DecodeAttention  # it imports this module
 
     modules = dict(model.named_modules())
-    paths = [path for path in decode_attention_paths(model) if Prologue.of(modules[path]) is not None]
-    return replace_modules(model, SOURCE, paths, lambda module: DecodeAttention(plain(module), Prologue.of(module)))
+    paths = [path for path in decode_attention_paths(model) if why_not(modules[path]) is None]
+    return replace_modules(model, SOURCE, paths, lambda module: DecodeAttention(module.original(), Prologue.of(module)))
 
 
-def _spec():
-    from omlx_core.kernels.registry import KernelSpec
-
-    return KernelSpec(
-        name="qk_norm_rope",
-        replaces="mlx-lm's q/k RMS norms and RoPE at one token per sequence (decode), inside sdpa_decode's attention",
-        source=SOURCE,
-        validated=(),
-        applies=lambda model: bool(decode_attention_paths(model)),
-        absent="sdpa_decode's attention (kernels.sdpa_decode active)",
-        install=install,
-    )
-
-
-SPEC = _spec()
+SPEC = KernelSpec(
+    name="qk_norm_rope",
+    replaces="mlx-lm's q/k RMS norms and RoPE at one token per sequence (decode), inside sdpa_decode's attention",
+    source=SOURCE,
+    validated=(),
+    applies=lambda model: bool(decode_attention_paths(model)),
+    absent="sdpa_decode's attention (kernels.sdpa_decode active)",
+    install=install,
+)

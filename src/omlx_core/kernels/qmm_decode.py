@@ -208,8 +208,6 @@ def body(config: Config, dtype: mx.Dtype, bits: int, group_size: int, split: boo
          gated: bool = False, residual: bool = False) -> str:
     """The kernel body: M is every leading dimension of x (a [B, L, K] input is launched
     as it is, no reshape), K its last, N[s] the rows of linear s's weight."""
-    if segments > 1 and (gated or residual):
-        raise OmlxError("qmm_decode: a gated input or a residual takes one linear per launch")
     c = config
     t = DTYPES[dtype]
     w, scales, biases, out = (segment_names(segments, n) for n in ("w", "scales", "biases", "out"))
@@ -471,8 +469,7 @@ class DecodeQuantizedLinear(nn.QuantizedLinear):
         k = x.shape[-1]
         tokens = x.size // k
         w = self["weight"]
-        if (self._dtype is None or self._group is not None or "bias" in self or tokens > self.max_tokens
-                or tokens < self.min_tokens or x.dtype != self._dtype
+        if (not self.uses_kernel(x) or self._group is not None or "bias" in self
                 or (up is not None and (up.shape != x.shape or up.dtype != x.dtype))
                 or (residual is not None and (residual.shape != x.shape[:-1] + (w.shape[0],)
                                               or residual.dtype != x.dtype))):

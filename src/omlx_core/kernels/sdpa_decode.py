@@ -32,6 +32,7 @@ from omlx_core.errors import OmlxError
 from omlx_core.kernels import qk_norm_rope
 from omlx_core.kernels.qmm_decode import DecodeQuantizedLinear
 from omlx_core.kernels.registry import HardwareMatch, KernelSpec, ModelMatch, Validation, replace_modules
+from omlx_core.kernels.restated import Restated
 from omlx_core.prefill.fast_paths import unwrap
 
 SOURCE = "sdpa_decode.cu"
@@ -149,21 +150,14 @@ def is_attention(module) -> bool:
     return kind.__name__ == "Attention" and kind.__module__.rsplit(".", 1)[-1] in ARCHITECTURES
 
 
-class DecodeAttention(nn.Module):
-    """mlx-lm's Attention of ARCHITECTURES, its one-token steps on the kernel: the same
-    modules under the same names and the same attributes, so every other call runs
-    mlx-lm's own forward on this module (and sees any linear replaced here later, as a
-    prefill path's wrapper)."""
+class DecodeAttention(Restated):
+    """mlx-lm's Attention of ARCHITECTURES, its one-token steps on the kernel (a Restated
+    module: every other call runs mlx-lm's forward)."""
+
+    OWN = ("kernel_calls",)
 
     def __init__(self, original, prologue: "qk_norm_rope.Prologue | None" = None):
-        super().__init__()
-        for name, module in original.items():  # q/k/v/o (maybe a qmm_decode group), norms, rope
-            setattr(self, name, module)
-        for name, value in vars(original).items():  # n_heads, n_kv_heads, scale, ...
-            if not name.startswith("_"):
-                setattr(self, name, value)
-        object.__setattr__(self, "_kind", type(original))
-        object.__setattr__(self, "_forward", type(original).__call__)
+        super().__init__(original)
         object.__setattr__(self, "_locks", {})  # counters per batch size
         object.__setattr__(self, "_prologue", prologue)  # qk_norm_rope's install gives one
         object.__setattr__(self, "kernel_calls", 0)
@@ -211,16 +205,7 @@ class DecodeAttention(nn.Module):
 def plain(module) -> nn.Module:
     """mlx-lm's Attention of the same modules and attributes for a DecodeAttention (undoes
     `install`); any other module as given."""
-    if not isinstance(module, DecodeAttention):
-        return module
-    original = module._kind.__new__(module._kind)
-    nn.Module.__init__(original)
-    for name, child in module.items():
-        setattr(original, name, child)
-    for name, value in vars(module).items():
-        if not name.startswith("_") and name != "kernel_calls":
-            setattr(original, name, value)
-    return original
+    return module.original() if isinstance(module, DecodeAttention) else module
 
 
 def attention_paths(model) -> list[str]:
