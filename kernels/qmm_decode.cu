@@ -15,9 +15,8 @@
 // last CTA of a row tile to finish adds them in a fixed order and resets its counter):
 // enough CTAs stream the weights to reach HBM bandwidth even when N is small.
 //
-// Two fused forms save a decoder layer launches (omlx_core/kernels/decode_block.py): GATED
-// stages swiglu(gate, up) of two inputs as x (the MLP's down projection), RES adds a
-// residual to the output (both output projections), each rounding as MLX's separate op.
+// A fused form saves a decoder layer launches (omlx_core/kernels/decode_block.py): RES adds
+// a residual to the output (both output projections), rounding as MLX's separate add does.
 //
 // The `header` of the mx.fast.cuda_kernel #includes this file by path; the kernel body
 // only calls qmm_decode<...>() (see omlx_core/kernels/qmm_decode.py).
@@ -94,29 +93,6 @@ template <> __device__ __forceinline__ uint32_t pack<__half>(float lo, float hi)
 
 template <typename T> __device__ __forceinline__ float rounded(float v) { return to_float(from_float<T>(v)); }
 
-// mlx-lm's swiglu, silu(g) * u with silu(g) = g * sigmoid(g), rounded to T after every op
-// as MLX computes it on T (its sigmoid: y = 1 / (1 + exp(|g|)), g < 0 ? y : 1 - y): the
-// MLP's down projection stages this product of its two inputs instead of reading a third
-// array that a separate kernel wrote.
-template <typename T> __device__ __forceinline__ float silu_times(float g, float u) {
-  const float y = rounded<T>(1.0f / rounded<T>(1.0f + rounded<T>(expf(fabsf(g)))));
-  const float s = g < 0.0f ? y : rounded<T>(1.0f - y);
-  return rounded<T>(rounded<T>(g * s) * u);
-}
-
-// silu_times of the 8 inputs of one 16-byte unit (gate g, up u), in their order.
-template <typename T> __device__ __forceinline__ uint4 swiglu_unit(const uint4& g, const uint4& u) {
-  using T2 = typename Pair<T>::type;
-  uint4 r;
-  uint32_t* out = reinterpret_cast<uint32_t*>(&r);
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const T2 gi = pair_of<T2>(word_of(g, i)), ui = pair_of<T2>(word_of(u, i));
-    out[i] = pack<T>(silu_times<T>(to_float(gi.x), to_float(ui.x)), silu_times<T>(to_float(gi.y), to_float(ui.y)));
-  }
-  return r;
-}
-
 // C += A B on the tensor cores. One body for both types: AB is the PTX name of the operands'.
 #define OMLX_QMM_MMA(AB)                                                                     \
   asm volatile("mma.sync.aligned.m16n8k16.row.col.f32." AB "." AB                            \
@@ -148,13 +124,12 @@ __device__ __forceinline__ void mma<__half>(float* c, const uint32_t* a, uint32_
 // holds one zero per column tile and is left zero and `partial` holds gridDim.y * M * N
 // floats; with one slice per column tile neither is touched (null).
 // `tile` is the column tile computed (its place in its segment).
-//   GATED  the input is swiglu(x, up) (x the gate), computed while x is staged
-//   RES    out = T(product) + residual (M x N), as the decoder adds its residual stream
-template <typename T, int BITS, int GS, int NT, int R, int WR, int WK, int U, int KC, int SL, bool GATED, bool RES>
+// RES: out = T(product) + residual (M x N), as the decoder adds its residual stream.
+template <typename T, int BITS, int GS, int NT, int R, int WR, int WK, int U, int KC, int SL, bool RES>
 __device__ __forceinline__ void qmm_decode(
-    const T* __restrict__ x, const T* __restrict__ up, const uint32_t* __restrict__ w,
-    const T* __restrict__ scales, const T* __restrict__ biases, const T* __restrict__ residual,
-    const int32_t* locks, T* __restrict__ out, float* __restrict__ partial, int M, int K, int N, int tile) {
+    const T* __restrict__ x, const uint32_t* __restrict__ w, const T* __restrict__ scales,
+    const T* __restrict__ biases, const T* __restrict__ residual, const int32_t* locks, T* __restrict__ out,
+    float* __restrict__ partial, int M, int K, int N, int tile) {
   static_assert(BITS == 4 || BITS == 8, "4 or 8 bits");
   static_assert(GS == 32 || GS == 64 || GS == 128, "group size 32, 64 or 128");
   static_assert(KC % 128 == 0, "K slices are whole 128-input blocks");
@@ -235,33 +210,23 @@ __device__ __forceinline__ void qmm_decode(
   // decode-h200-qmm-ncu.json).
   const int lg = M > 1 ? 32 - __clz(M - 1) : 0;  // log2 of the token slots
   const int k0 = first * 128;
-  // A gated unit is two loads (gate and up) and swiglu's arithmetic: a quarter as many in
-  // flight, or the staging spills (the first two rounds of weights already hold registers).
-  constexpr int SU = !GATED ? SL : SL >= 4 ? SL / 4 : 1;
   const int units = (per_cta * 16) << lg;
-  for (int base = threadIdx.x; base < units; base += SU * blockDim.x) {
-    uint4 v[SU], vu[GATED ? SU : 1];
+  for (int base = threadIdx.x; base < units; base += SL * blockDim.x) {
+    uint4 v[SL];
 #pragma unroll
-    for (int u = 0; u < SU; ++u) {
+    for (int u = 0; u < SL; ++u) {
       const int idx = base + u * blockDim.x;
       const int m = (idx >> 2) & ((1 << lg) - 1), chunk = idx >> (2 + lg);  // chunk: 4 * block + j
       const int k = k0 + (chunk >> 2) * 128 + (idx & 3) * 32 + (chunk & 3) * 8;
       v[u] = make_uint4(0, 0, 0, 0);
-      if (idx < units && m < M && k < K) {
-        v[u] = *reinterpret_cast<const uint4*>(x + (size_t)m * K + k);
-        if constexpr (GATED) vu[u] = *reinterpret_cast<const uint4*>(up + (size_t)m * K + k);
-      }
+      if (idx < units && m < M && k < K) v[u] = *reinterpret_cast<const uint4*>(x + (size_t)m * K + k);
     }
 #pragma unroll
-    for (int u = 0; u < SU; ++u) {
+    for (int u = 0; u < SL; ++u) {
       const int idx = base + u * blockDim.x;
       const int m = (idx >> 2) & ((1 << lg) - 1), chunk = idx >> (2 + lg);
-      const int k = k0 + (chunk >> 2) * 128 + (idx & 3) * 32 + (chunk & 3) * 8;
       if (idx >= units) break;
       if (m >= M) continue;
-      if constexpr (GATED) {
-        if (k < K) v[u] = swiglu_unit<T>(v[u], vu[u]);
-      }
       uint4 p;
       p.x = __byte_perm(v[u].x, v[u].z, 0x5410);
       p.y = __byte_perm(v[u].x, v[u].z, 0x7632);
@@ -445,14 +410,14 @@ __device__ __forceinline__ void qmm_decode(
 // `locks`, and its partials, gridDim.y * M * N[s] floats per segment, one after another).
 // One launch instead of S: a decode step pays the host for every launch, and each launch's
 // ramp and tail on the GPU.
-// GATED and RES (see qmm_decode) take one segment: the MLP's down projection, attention's output.
+// RES (see qmm_decode) takes one segment: an output projection.
 template <typename T, int BITS, int GS, int NT, int R, int WR, int WK, int U, int KC, int S, int SL,
-          bool GATED = false, bool RES = false>
+          bool RES = false>
 __device__ __forceinline__ void qmm_decode_segments(
-    const T* __restrict__ x, const T* up, const uint32_t* const (&w)[S], const T* const (&scales)[S],
+    const T* __restrict__ x, const uint32_t* const (&w)[S], const T* const (&scales)[S],
     const T* const (&biases)[S], const int (&N)[S], const T* residual, const int32_t* locks,
     T* const (&out)[S], float* partial, int M, int K) {
-  static_assert(S == 1 || !(GATED || RES), "a gated input or a residual takes one linear");
+  static_assert(S == 1 || !RES, "a residual takes one linear");
   constexpr int BN = 16 * R * WR;
   // Every index below is a constant once unrolled: the pointers stay in registers.
   int tile = blockIdx.x;
@@ -476,8 +441,7 @@ __device__ __forceinline__ void qmm_decode_segments(
     }
   }
   if (!found) return;  // never for a grid of the segments' tiles
-  qmm_decode<T, BITS, GS, NT, R, WR, WK, U, KC, SL, GATED, RES>(x, up, ws, ss, bs, residual, lk, os, part, M, K, n,
-                                                                 tile);
+  qmm_decode<T, BITS, GS, NT, R, WR, WK, U, KC, SL, RES>(x, ws, ss, bs, residual, lk, os, part, M, K, n, tile);
 }
 
 }  // namespace omlx_qmm

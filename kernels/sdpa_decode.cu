@@ -286,6 +286,3 @@ __device__ __forceinline__ void decode(
 
 }  // namespace omlx_sdpa
 
-// ---- body ----
-  omlx_sdpa::decode<T, D, G>(q, q_strides.data(), k, k_strides.data(), v, v_strides.data(), scale[0], starts, locks,
-                             out, partial, k_shape[1], k_shape[2]);

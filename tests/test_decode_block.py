@@ -1,12 +1,11 @@
-"""decode_block: a decoder layer's decode step on qmm_decode's fused launches (swiglu staged
-by the down projection, the residual adds in both output projections). The kernels are
-mocked (MLX's CUDA backend cannot exist here) by stand-ins computing with MLX's ops what
-the kernels compute; the kernels' own results are checked on the GPU machine by
-scripts/bench/decode.py (--parts exact: the fused rows; --parts greedy)."""
+"""decode_block: a decoder layer's decode step with the residual adds in qmm_decode's
+output projections. The kernels are mocked (MLX's CUDA backend cannot exist here) by
+stand-ins computing with MLX's ops what the kernels compute; the kernels' own results are
+checked on the GPU machine by scripts/bench/decode.py (--parts exact: the residual rows;
+--parts greedy)."""
 
 import mlx.core as mx
 import pytest
-from mlx_lm.models.activations import swiglu
 from mlx_lm.models.cache import make_prompt_cache
 from test_qmm_decode import quantized, reference_kernel
 from test_sdpa_decode import decode_logits, tiny_model
@@ -33,11 +32,11 @@ def launches(monkeypatch) -> list:
 
 
 def kinds(calls: list) -> list[tuple]:
-    return [(c["segments"], c["gated"], c["residual"]) for c in calls]
+    return [(c["segments"], c["residual"]) for c in calls]
 
 
 @pytest.mark.parametrize("arch", decode_block.ARCHITECTURES)
-def test_fused_blocks_decode_as_mlx_lm_does_mocked_cuda(arch, launches):
+def test_decode_blocks_decode_as_mlx_lm_does_mocked_cuda(arch, launches):
     model = tiny_model(arch)
     stock = decode_logits(model, make_prompt_cache(model), PROMPT)
     qmm_decode.install(model, formats=ALL_FORMATS)
@@ -48,9 +47,9 @@ def test_fused_blocks_decode_as_mlx_lm_does_mocked_cuda(arch, launches):
     for a, b in zip(stock, ours):
         assert mx.array_equal(a, b)
     # The last decode step, per layer: q/k/v, o_proj plus the residual, gate/up, then
-    # down of swiglu(gate, up) plus the residual; then the (quantized) head.
-    layer = [(3, False, False), (1, False, True), (2, False, False), (1, True, True)]
-    assert kinds(launches[-9:]) == layer * 2 + [(1, False, False)]
+    # down (of MLX's swiglu) plus the residual; then the (quantized) head.
+    layer = [(3, False), (1, True), (2, False), (1, True)]
+    assert kinds(launches[-9:]) == layer * 2 + [(1, False)]
 
 
 def test_without_decode_attention_the_block_adds_attentions_residual_itself_mocked_cuda(launches):
@@ -61,7 +60,7 @@ def test_without_decode_attention_the_block_adds_attentions_residual_itself_mock
     ours = decode_logits(model, make_prompt_cache(model), PROMPT)
     for a, b in zip(stock, ours):
         assert mx.array_equal(a, b)
-    assert kinds(launches[-5:-1]) == [(3, False, False), (1, False, False), (2, False, False), (1, True, True)]
+    assert kinds(launches[-5:-1]) == [(3, False), (1, False), (2, False), (1, True)]
 
 
 def test_inputs_beyond_the_kernels_token_counts_run_mlx_lms_block_mocked_cuda(launches):
@@ -109,29 +108,31 @@ def test_registered_after_the_kernels_it_builds_on_and_off_until_validated(launc
     assert all(type(layer) is DecodeBlock for layer in model.layers)
 
 
-def test_fused_falls_back_to_mlx_ops_where_the_kernel_does_not_take_the_layer_mocked_cuda(launches):
-    layer = DecodeQuantizedLinear.of(quantized(k=128, n=96, bias=True))  # a bias: not fused
-    gate, up = mx.random.normal((4, 128)).astype(mx.bfloat16), mx.random.normal((4, 128)).astype(mx.bfloat16)
+def test_with_residual_falls_back_to_mlx_ops_where_the_kernel_does_not_take_the_layer_mocked_cuda(launches):
+    layer = DecodeQuantizedLinear.of(quantized(k=128, n=96, bias=True))  # a bias: MLX's add
+    x = mx.random.normal((4, 128)).astype(mx.bfloat16)
     residual = mx.random.normal((4, 96)).astype(mx.bfloat16)
-    fused = layer.fused(gate, up=up, residual=residual)
-    assert kinds(launches) == [(1, False, False)]  # the plain launch; the bias, swiglu and add by MLX
-    assert mx.array_equal(fused, residual + layer(swiglu(gate, up)))
+    added = layer.with_residual(x, residual)
+    assert kinds(launches) == [(1, False)]  # the plain launch; the bias and the add by MLX
+    assert mx.array_equal(added, residual + layer(x))
     plain = DecodeQuantizedLinear.of(quantized(k=128, n=96))
-    fused = plain.fused(gate, up=up, residual=residual)
-    assert kinds(launches[2:]) == [(1, True, True)]
-    assert mx.array_equal(fused, residual + plain(swiglu(gate, up)))
+    added = plain.with_residual(x, residual)
+    assert kinds(launches[2:]) == [(1, True)]
+    assert mx.array_equal(added, residual + plain(x))
+    for other in (residual.astype(mx.float16), mx.zeros((4, 1), dtype=mx.bfloat16)):  # a broadcast: MLX's add
+        assert mx.array_equal(plain.with_residual(x, other), other + plain(x))
+    assert kinds(launches[4:]) == [(1, False)] * 4  # the plain launches only
 
 
-@pytest.mark.parametrize("change, message", [
-    ({"up": mx.zeros((4, 64), dtype=mx.bfloat16)}, "up (4, 64)"),
-    ({"residual": mx.zeros((4, 95), dtype=mx.bfloat16)}, "residual (4, 95)"),
-    ({"residual": mx.zeros((4, 96), dtype=mx.float16)}, "residual (4, 96) mlx.core.float16"),
+@pytest.mark.parametrize("residual, message", [
+    (mx.zeros((4, 95), dtype=mx.bfloat16), "residual (4, 95)"),
+    (mx.zeros((4, 96), dtype=mx.float16), "residual (4, 96) mlx.core.float16"),
 ])
-def test_fused_arguments_that_do_not_fit_are_named_mocked_cuda(launches, change, message):
+def test_residuals_that_do_not_fit_are_named_mocked_cuda(launches, residual, message):
     layer = quantized(k=128, n=96)
     x = mx.zeros((4, 128), dtype=mx.bfloat16)
     with pytest.raises(OmlxError, match=message.replace("(", r"\(").replace(")", r"\)")):
-        qmm_decode.quantized_matmul_decode(x, layer.weight, layer.scales, layer.biases, 64, 4, **change)
+        qmm_decode.quantized_matmul_decode(x, layer.weight, layer.scales, layer.biases, 64, 4, residual=residual)
     with pytest.raises(OmlxError, match="takes one linear"):
         qmm_decode.grouped_matmul_decode(x, [(layer.weight, layer.scales, layer.biases)] * 2, 64, 4,
                                          residual=mx.zeros((4, 96), dtype=mx.bfloat16))

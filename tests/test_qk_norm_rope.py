@@ -1,5 +1,5 @@
 """qk_norm_rope: which attention modules' prologues the kernel takes, what it is handed
-(inputs, template values, grid) and that DecodeAttention routes through it, and that the
+(inputs, specialization, grid) and that DecodeAttention routes through it, and that the
 source compiles for sm_90. The kernel cannot run here (no CUDA): a stand-in computing with
 MLX's ops from exactly what the kernel is handed takes its place (mocked), and
 scripts/bench/attention.py --parts prologue checks the kernel's results on the GPU."""
@@ -58,11 +58,13 @@ def test_a_step_the_prologue_was_not_made_for_keeps_mlx_lms_ops():
 
 def stand_in(calls: list):
     """The kernel's place (mocked: no CUDA here): MLX's ops computing from exactly the
-    inputs, template values and launch the kernel gets."""
-    def make(norm, freqs):
-        def run(inputs, template, grid, threadgroup, output_shapes, output_dtypes):
+    inputs, specialization and launch the kernel gets."""
+    def make(dtype, head_dim, q_heads, kv_heads, norm, traditional, freqs, per_sequence):
+        def run(inputs, grid, threadgroup, output_shapes, output_dtypes):
             named = dict(zip(qk_norm_rope.inputs(norm, freqs), inputs))
-            t = dict(template)
+            t = {"D": head_dim, "HQ": q_heads, "HKV": kv_heads, "NORM": norm, "TRADITIONAL": traditional, "FREQS": freqs,
+                 "PER_SEQ": per_sequence}
+            assert named["q"].dtype == dtype and output_dtypes == [dtype, dtype]
             calls.append({"norm": norm, "freqs": freqs, "template": t, "grid": grid})
             log2_base, scale, eps = named["params"].tolist()
             batch, dim = named["q"].shape[0], t["D"]

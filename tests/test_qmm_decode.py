@@ -15,7 +15,6 @@ import mlx.core as mx
 import mlx.nn as nn
 import pytest
 from mlx.utils import tree_flatten
-from mlx_lm.models.activations import swiglu
 from mlx_lm.utils import load
 
 from omlx_core.decode.dense_copy import DenseCopyLinear, install_dense_copy
@@ -110,7 +109,7 @@ def test_a_launch_carries_partials_and_counters_only_when_k_is_split_mocked_cuda
     # Mocked: MLX's CUDA backend cannot exist here; the stand-in kernel records its call.
     calls = []
 
-    def kernel(config, dtype, bits, group_size, split, segments=1, gated=False, residual=False):
+    def kernel(config, dtype, bits, group_size, split, segments=1, residual=False):
         def run(inputs, output_shapes, output_dtypes, grid, threadgroup):
             calls.append({"split": split, "inputs": len(inputs), "shapes": output_shapes, "grid": grid})
             return [mx.zeros(shape, dtype=d) for shape, d in zip(output_shapes, output_dtypes)]
@@ -140,15 +139,13 @@ def test_a_launch_carries_partials_and_counters_only_when_k_is_split_mocked_cuda
 def reference_kernel(calls: list):
     """A stand-in for MLX's CUDA kernel (mocked: the CUDA backend cannot exist here) that
     computes what the kernel computes, each linear of the launch by mx.quantized_matmul
-    (of swiglu(x, up) when gated, plus the residual when given), and records each launch."""
-    def kernel(config, dtype, bits, group_size, split, segments=1, gated=False, residual=False):
+    (plus the residual when given), and records each launch."""
+    def kernel(config, dtype, bits, group_size, split, segments=1, residual=False):
         def run(inputs, output_shapes, output_dtypes, grid, threadgroup):
-            calls.append({"segments": segments, "x": inputs[0], "gated": gated, "residual": residual,
-                          "inputs": list(qmm_decode.inputs(split, segments, gated, residual))})
+            calls.append({"segments": segments, "x": inputs[0], "residual": residual,
+                          "inputs": list(qmm_decode.inputs(split, segments, residual))})
             assert len(inputs) == len(calls[-1]["inputs"])
             x, rest = inputs[0], inputs[1:]
-            if gated:
-                x, rest = swiglu(x, rest[0]), rest[1:]
             weights = rest[:3 * segments]
             outs = [mx.quantized_matmul(x, *weights[3 * s:3 * s + 3], transpose=True, group_size=group_size,
                                         bits=bits) for s in range(segments)]
@@ -321,18 +318,18 @@ def test_install_kernels_leaves_the_model_alone_here(tiny_path):
 # -- the source compiles for the H200 --------------------------------------------------------
 
 @pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
-@pytest.mark.parametrize("tokens,bits,group,dtype,split,segments,fused", [
-    (1, 4, 64, mx.bfloat16, False, 1, ""), (1, 4, 64, mx.bfloat16, True, 1, ""), (9, 8, 32, mx.bfloat16, True, 1, ""),
-    (17, 4, 128, mx.float16, True, 1, ""), (64, 8, 64, mx.bfloat16, False, 1, ""), (1, 4, 64, mx.bfloat16, True, 3, ""),
-    (33, 8, 64, mx.bfloat16, True, 2, ""), (2, 4, 64, mx.bfloat16, True, 1, "gated residual"),
-    (9, 4, 64, mx.bfloat16, True, 1, "gated residual"), (17, 4, 64, mx.bfloat16, True, 1, "gated"),
-    (33, 4, 64, mx.bfloat16, False, 1, "residual"), (64, 8, 64, mx.bfloat16, True, 1, "gated residual")])
+@pytest.mark.parametrize("tokens,bits,group,dtype,split,segments,residual", [
+    (1, 4, 64, mx.bfloat16, False, 1, False), (1, 4, 64, mx.bfloat16, True, 1, False),
+    (9, 8, 32, mx.bfloat16, True, 1, False), (17, 4, 128, mx.float16, True, 1, False),
+    (64, 8, 64, mx.bfloat16, False, 1, False), (1, 4, 64, mx.bfloat16, True, 3, False),
+    (33, 8, 64, mx.bfloat16, True, 2, False), (9, 4, 64, mx.bfloat16, True, 1, True),
+    (33, 4, 64, mx.bfloat16, False, 1, True), (64, 8, 64, mx.bfloat16, True, 1, True)])
 def test_kernel_compiles_for_sm90_within_its_register_budget(tmp_path, tokens, bits, group, dtype, split, segments,
-                                                              fused):
+                                                              residual):
     config = qmm_decode.default_config(tokens, bits)
     source = tmp_path / "k.cu"
     source.write_text(qmm_decode.generated_source(config, dtype, bits, group, split, segments=segments,
-                                                  gated="gated" in fused, residual="residual" in fused))
+                                                  residual=residual))
     done = subprocess.run(["nvcc", "-arch=sm_90a", "-cubin", "-Xptxas", "-v", "-o", str(tmp_path / "k.cubin"),
                            str(source)], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]

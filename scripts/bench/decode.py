@@ -186,7 +186,7 @@ def run_exact(matmul, cases=None, quick: bool = False, sweep: bool = False) -> d
                                     ctas=ctas)
                     rows.append({**row, "config": config.__dict__ | {"ctas": ctas}})
     if matmul is qmm_decode.quantized_matmul_decode:
-        rows += grouped_rows(quick) + fused_rows(quick)
+        rows += grouped_rows(quick) + residual_rows(quick)
     formats = {}
     for row in rows:
         key = f"{row['dtype']}/{row['bits']}bit/g{row['group']}"
@@ -219,42 +219,32 @@ def grouped_rows(quick: bool) -> list[dict]:
 
 
 # (bits, group, K, N): odd N, K off the tile, a segment below one CTA tile, the down projection's shape.
-FUSED_CASES = ((4, 64, 1088, 1001), (8, 32, 1056, 17), (4, 128, 1152, 256), (4, 64, 12288, 4096))
+RESIDUAL_CASES = ((4, 64, 1088, 1001), (8, 32, 1056, 17), (4, 128, 1152, 256), (4, 64, 12288, 4096))
 
 
-def fused_rows(quick: bool) -> list[dict]:
-    """The fused forms (decode_block's launches): the input swiglu(gate, up) computed in the
-    kernel, a residual added in it, and both; each against MLX's result on MLX's swiglu
-    plus the residual (below 8 tokens, or without --quick) and the fp32 product, as
-    `compare` checks one linear's, and `identical`: bit for bit the kernel's unfused
-    product with MLX's separate swiglu and add, as the same roundings should give."""
-    from mlx_lm.models.activations import swiglu
-
+def residual_rows(quick: bool) -> list[dict]:
+    """The residual form (decode_block's output projections): the residual added in the
+    kernel, against MLX's product plus the residual (below 8 tokens, or without --quick)
+    and the fp32 sum, as `compare` checks one linear's, and `identical`: bit for bit our
+    plain product plus MLX's separate add, as the same roundings should give."""
     rows = []
-    for bits, group, k, n in FUSED_CASES:
+    for bits, group, k, n in RESIDUAL_CASES:
         layer = quantized_layer(k, n, bits, group, seed=bits * 1000 + group + n + 5)
         w32 = mx.dequantize(*layer, group_size=group, bits=bits, dtype=mx.float32)
         for m in (1, 9, 17, 33, 64):
-            gate, up = (3 * mx.random.normal((m, k), key=mx.random.key(m + seed)) for seed in (11, 13))
-            gate, up = gate.astype(mx.bfloat16), up.astype(mx.bfloat16)
+            x = (3 * mx.random.normal((m, k), key=mx.random.key(m + 11))).astype(mx.bfloat16)
             residual = mx.random.normal((m, n), key=mx.random.key(m + 17)).astype(mx.bfloat16)
-            for gated, added in ((True, False), (False, True), (True, True)):
-                x = swiglu(gate, up) if gated else gate
-                ours = qmm_decode.quantized_matmul_decode(gate, *layer, group, bits, up=up if gated else None,
-                                                          residual=residual if added else None)
-                unfused = qmm_decode.quantized_matmul_decode(x, *layer, group, bits)
-                unfused = residual + unfused if added else unfused
-                ref = None
-                if not quick or m < 8:
-                    ref = mx.quantized_matmul(x, *layer, transpose=True, group_size=group, bits=bits)
-                    ref = residual + ref if added else ref
-                truth = x.astype(mx.float32) @ w32.T + (residual.astype(mx.float32) if added else 0)
-                rows.append({"bits": bits, "group": group, "dtype": "bfloat16", "k": k, "n": n, "m": m,
-                             "gated": gated, "residual": added, "identical": bool(mx.array_equal(ours, unfused)),
-                             **compare(ours, ref, truth)})
-            log(f"exact fused {bits}-bit g{group} {k}x{n} M={m}: worst rel "
-                f"{max(r['rel_max'] for r in rows[-3:]):.2e} ok={all(r['ok'] for r in rows[-3:])} "
-                f"identical={[r['identical'] for r in rows[-3:]]}")
+            ours = qmm_decode.quantized_matmul_decode(x, *layer, group, bits, residual=residual)
+            unfused = residual + qmm_decode.quantized_matmul_decode(x, *layer, group, bits)
+            ref = None
+            if not quick or m < 8:
+                ref = residual + mx.quantized_matmul(x, *layer, transpose=True, group_size=group, bits=bits)
+            truth = x.astype(mx.float32) @ w32.T + residual.astype(mx.float32)
+            rows.append({"bits": bits, "group": group, "dtype": "bfloat16", "k": k, "n": n, "m": m,
+                         "residual": True, "identical": bool(mx.array_equal(ours, unfused)),
+                         **compare(ours, ref, truth)})
+            log(f"exact residual {bits}-bit g{group} {k}x{n} M={m}: rel {rows[-1]['rel_max']:.2e} "
+                f"ok={rows[-1]['ok']} identical={rows[-1]['identical']}")
     return rows
 
 
@@ -292,7 +282,7 @@ def run_greedy(matmul_name: str, workdir: Path, count: int = 64, quick: bool = F
             from omlx_core.kernels import decode_block
 
             paths = qmm_decode.install(model, formats=qmm_decode.ALL_FORMATS, min_tokens=1)
-            decode_block.install(model)  # the fused launches too, where the model's layers take them
+            decode_block.install(model)  # the residual adds in the output projections too, where it takes the layers
             modules = dict(model.named_modules())
             layers = [modules[p] for p in paths]
         ours = greedy_tokens(model, prompt, count)
@@ -300,7 +290,7 @@ def run_greedy(matmul_name: str, workdir: Path, count: int = 64, quick: bool = F
         results.append({"arch": arch, "bits": bits, "group": group, "tokens": count, "identical": stock == ours,
                         "first_difference": first, "layers": len(layers),
                         "kernel_calls": sum(layer.calls for layer in layers),
-                        "fused_blocks": sum(type(m).__name__ == "DecodeBlock" for _, m in model.named_modules())})
+                        "decode_blocks": sum(type(m).__name__ == "DecodeBlock" for _, m in model.named_modules())})
         log(f"greedy {arch} {bits}-bit g{group}: identical={stock == ours} "
             f"({results[-1]['kernel_calls']} calls on our path)")
     return results
@@ -488,6 +478,24 @@ def variants(layers, dense, locks, configs=(), with_mlx: bool = True, tokens: in
     return steps
 
 
+def mlp_tail(up_step, down_layers, residual: bool):
+    """step(i, y): an MLP's up projection h, then its tail as decode_block runs it: the
+    down projection of swiglu(h, h) plus the residual y, added in our launch (`residual`)
+    or by MLX's add."""
+    from mlx_lm.models.activations import swiglu
+
+    layers, _, locks = down_layers
+
+    def step(i, y):
+        h = up_step(i, y)
+        wq, s, b = layers[i % len(layers)]
+        lock = locks[i % len(layers)]
+        if residual:
+            return qmm_decode.quantized_matmul_decode(swiglu(h, h), wq, s, b, GROUP, BITS, residual=y, locks=lock)
+        return y + qmm_decode.quantized_matmul_decode(swiglu(h, h), wq, s, b, GROUP, BITS, locks=lock)
+    return step
+
+
 def config_label(config) -> str:
     c = config
     return (f"t{c.tiles} r{c.rows} n{c.warps_n} k{c.warps_k} u{c.rounds} c{c.slice_k} o{c.occupancy}"
@@ -538,6 +546,10 @@ def layers_child(tokens, repeats: int, quick: bool, sweep: bool, out: Path, call
         for name in up:
             pair = chain_seconds((lambda u, d: lambda i, y: d(i, u(i, y)))(up[name], down[name]), x, calls // 2, repeats)
             timed[(*LAYERS[2], name)] = tuple(max(0.0, p - u) for p, u in zip(pair, timed[(up_k, up_n, name)]))
+        if m <= qmm_decode.MAX_TOKENS:
+            for name, residual in (("mlp_tail", False), ("mlp_tail_residual", True)):
+                pair = chain_seconds(mlp_tail(up["ours"], built[LAYERS[2]], residual), x, calls // 2, repeats)
+                timed[(*LAYERS[2], name)] = tuple(max(0.0, p - u) for p, u in zip(pair, timed[(up_k, up_n, "ours")]))
         for (k, n, name), (wall, gpu) in timed.items():
             nbytes = k * n * 2 if name == "dense_bf16" else layer_bytes(built[(k, n)][0][0])
             rows.append({"k": k, "n": n, "m": m, "variant": name, "us": gpu * 1e6, "wall_us": wall * 1e6,
@@ -777,8 +789,9 @@ def decode_step_seconds(model, cache, batch: int, steps: int, repeats: int) -> d
 
 
 # The model part's: kernel = grouped launches; kernel_attention = that and sdpa_decode's attention;
-# fused = that, qk_norm_rope's prologue and decode_block's fused launches.
-VARIANTS = ("stock", "kernel_ungrouped", "kernel", "kernel_attention", "fused", "dense_copy")
+# prologue = that and qk_norm_rope's prologue; residual = kernel_attention and decode_block's residual
+# adds in the output projections; fused = both.
+VARIANTS = ("stock", "kernel_ungrouped", "kernel", "kernel_attention", "prologue", "residual", "fused", "dense_copy")
 
 
 def install_variant(model, name: str) -> dict:
@@ -787,16 +800,17 @@ def install_variant(model, name: str) -> dict:
 
     if name == "kernel_ungrouped":
         qmm_decode.install(model, formats=qmm_decode.ALL_FORMATS, min_tokens=1, group=False)
-    elif name in ("kernel", "kernel_attention", "fused"):
+    elif name in ("kernel", "kernel_attention", "prologue", "residual", "fused"):
         from omlx_core.kernels import decode_block, qk_norm_rope, sdpa_decode
 
-        layers = qmm_decode.install(model, formats=qmm_decode.ALL_FORMATS, min_tokens=1)
+        report = {"layers": len(qmm_decode.install(model, formats=qmm_decode.ALL_FORMATS, min_tokens=1))}
         if name != "kernel":
             sdpa_decode.install(model)
-        if name == "fused":
-            return {"layers": len(layers), "prologues": len(qk_norm_rope.install(model)),
-                    "blocks": len(decode_block.install(model))}
-        return {"layers": len(layers)}
+        if name in ("prologue", "fused"):
+            report["prologues"] = len(qk_norm_rope.install(model))
+        if name in ("residual", "fused"):
+            report["blocks"] = len(decode_block.install(model))
+        return report
     elif name == "dense_copy":
         return {"extra_bytes": install_dense_copy(model, {"compute.dense_copy": "on"}, backend="cuda").extra_bytes}
     return {}
@@ -986,10 +1000,10 @@ def summary(result: dict) -> None:
         print(f"exact: {e['cases'] - e['failed']}/{e['cases']} within {e['tolerance']:.4f}; worst rel "
               f"{e['worst']['rel_max']:.2e} ({e['worst']['dtype']} {e['worst']['bits']}-bit g{e['worst']['group']} "
               f"k={e['worst']['k']} n={e['worst']['n']} m={e['worst']['m']})")
-        fused = [r for r in e["rows"] if "gated" in r]
-        if fused:
-            print(f"exact fused: {sum(r['ok'] for r in fused)}/{len(fused)} within the tolerance, "
-                  f"{sum(r['identical'] for r in fused)}/{len(fused)} bit for bit the unfused launches")
+        added = [r for r in e["rows"] if "residual" in r]
+        if added:
+            print(f"exact residual: {sum(r['ok'] for r in added)}/{len(added)} within the tolerance, "
+                  f"{sum(r['identical'] for r in added)}/{len(added)} bit for bit our product plus MLX's add")
     for g in result.get("greedy", []):
         print(f"greedy {g['arch']} {g['bits']}-bit g{g['group']}: identical={g['identical']} "
               f"({g['kernel_calls']} calls)")

@@ -14,9 +14,10 @@ BatchKVCache as `omlx serve` does:
   pipelined  a step while the next one is built and encoded (mlx-lm's generators)
 
 for `stock` (mlx-lm's modules), `kernels` (qmm_decode's grouped launches and sdpa_decode
-installed: CUDA only, reported as skipped elsewhere) and `fused` (also qk_norm_rope's
-prologue and decode_block's fused launches), as decode.py's model part
-measures them (`decode_step_seconds`) on this smaller model. For the last variant run:
+installed: CUDA only, reported as skipped elsewhere), `prologue` (also qk_norm_rope's
+prologue), `residual` (kernels and decode_block's residual adds in the output
+projections) and `fused` (both), as decode.py's model part measures them
+(`decode_step_seconds`) on this smaller model. For the last variant run:
 
   --python-profile   cProfile over pipelined steps: each Python function's own
                      microseconds a step (where `build` goes)
@@ -39,7 +40,7 @@ import sys
 import time
 from pathlib import Path
 
-VARIANTS = ("stock", "kernels", "fused")
+VARIANTS = ("stock", "kernels", "prologue", "residual", "fused")
 
 
 def build_model(layers: int, hidden: int):
@@ -72,8 +73,9 @@ def install(model, variant: str) -> str:
         return why
     qmm_decode.install(model, formats=qmm_decode.ALL_FORMATS, min_tokens=1)
     sdpa_decode.install(model)
-    if variant == "fused":
+    if variant in ("prologue", "fused"):
         qk_norm_rope.install(model)
+    if variant in ("residual", "fused"):
         decode_block.install(model)
     return ""
 

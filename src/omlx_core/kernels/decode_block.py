@@ -1,18 +1,20 @@
-"""A decoder layer's batched-decode step with fewer launches: qmm_decode's fused forms.
+"""A decoder layer's batched-decode step with fewer launches: the residual adds inside
+qmm_decode's output projections.
 
 Why: a decode step pays the host (Python, then MLX's encoding) and the GPU (each kernel's
 ramp and tail) for every launch, and at 32 sequences the step is a few hundred small
 launches (docs/benchmarks/decode-h100-host-profile.json). mlx-lm's layer computes
 `h = x + o_proj(attention)` and `out = h + down(swiglu(gate, up))`: the two residual adds
-and the swiglu are launches of their own, each reading and writing its activations
-once more. Here attention's output projection adds the residual in its epilogue and the
-down projection computes swiglu while it stages its input and adds the residual too: three
-launches fewer per layer, the same roundings as MLX's separate ops.
+are launches of their own, each reading and writing its activations once more. Here both
+output projections add the residual in their epilogue: two launches fewer per layer, the
+same roundings as MLX's separate add. (The down projection computing swiglu itself, while
+it staged its input, was tried and measured: as fast at one token, twice as slow from 8,
+every CTA recomputing it for the whole input: docs/benchmarks/decode-h100-fused.json.)
 
 - `DecodeBlock`: mlx-lm's llama/qwen2/qwen3 `TransformerBlock` whose inputs of the
-  kernel's token counts take the fused forms (`DecodeQuantizedLinear.fused`; attention's
-  through `DecodeAttention`'s `residual`, else added here); every other input runs
-  mlx-lm's forward on this module.
+  kernel's token counts take the residual forms (`DecodeQuantizedLinear.with_residual`;
+  attention's through `DecodeAttention`'s `residual`); every other input runs mlx-lm's
+  forward on this module.
 - `install(model)` replaces the blocks whose down projection is a DecodeQuantizedLinear
   (a registered kernel of its own, after qmm_decode; not yet validated on any GPU, so
   `auto` leaves it off and `on` tries it); `plain(module)` undoes it.
@@ -20,6 +22,7 @@ launches fewer per layer, the same roundings as MLX's separate ops.
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx_lm.models.activations import swiglu
 
 from omlx_core.kernels.qmm_decode import SOURCE, DecodeQuantizedLinear
 from omlx_core.kernels.registry import KernelSpec, replace_modules
@@ -44,8 +47,9 @@ def down_projection(block) -> DecodeQuantizedLinear | None:
 
 
 class DecodeBlock(Restated):
-    """mlx-lm's TransformerBlock of ARCHITECTURES, its decode-sized steps on the fused
-    launches (a Restated module: every other call runs mlx-lm's forward)."""
+    """mlx-lm's TransformerBlock of ARCHITECTURES, its decode-sized steps with the residual
+    adds in the output projections (a Restated module: every other call runs mlx-lm's
+    forward)."""
 
     def __call__(self, x: mx.array, mask=None, cache=None) -> mx.array:
         down = down_projection(self)  # looked up per call: a later install may replace it
@@ -58,7 +62,7 @@ class DecodeBlock(Restated):
             h = x + attention(normed, mask, cache)
         mlp = self.mlp
         n = self.post_attention_layernorm(h)
-        return down.fused(mlp.gate_proj(n), up=mlp.up_proj(n), residual=h)
+        return down.with_residual(swiglu(mlp.gate_proj(n), mlp.up_proj(n)), h)
 
 
 def plain(module) -> nn.Module:
@@ -79,8 +83,8 @@ def install(model) -> list[str]:
 
 SPEC = KernelSpec(
     name="decode_block",
-    replaces="mlx-lm's llama/qwen2/qwen3 decoder layer at decode sizes: its residual adds and swiglu "
-             "inside qmm_decode's launches",
+    replaces="mlx-lm's llama/qwen2/qwen3 decoder layer at decode sizes: its residual adds inside "
+             "qmm_decode's output projections",
     source=SOURCE,
     validated=(),
     applies=lambda model: bool(block_paths(model)),

@@ -113,14 +113,12 @@ class Prologue:
         inputs += [attention.q_norm.weight, attention.k_norm.weight] if self.norm else []
         inputs += [self.freqs] if self.freqs is not None else []
         rows = batch * (self.q_heads + self.kv_heads)
-        return _kernel(self.norm, self.freqs is not None)(
-            inputs=inputs + [offsets, self.params],
-            template=[("T", queries.dtype), ("D", self.dim), ("HQ", self.q_heads), ("HKV", self.kv_heads),
-                      ("NORM", self.norm), ("TRADITIONAL", self.traditional), ("FREQS", self.freqs is not None),
-                      ("PER_SEQ", per_sequence)],
-            grid=(math.ceil(rows * 32 / THREADS) * THREADS, 1, 1), threadgroup=(THREADS, 1, 1),
-            output_shapes=[(batch, self.q_heads, 1, self.dim), (batch, self.kv_heads, 1, self.dim)],
-            output_dtypes=[queries.dtype, queries.dtype])
+        kernel = _kernel(queries.dtype, self.dim, self.q_heads, self.kv_heads, self.norm, self.traditional,
+                         self.freqs is not None, per_sequence)
+        return kernel(inputs=inputs + [offsets, self.params], grid=(math.ceil(rows * 32 / THREADS) * THREADS, 1, 1),
+                      threadgroup=(THREADS, 1, 1),
+                      output_shapes=[(batch, self.q_heads, 1, self.dim), (batch, self.kv_heads, 1, self.dim)],
+                      output_dtypes=[queries.dtype, queries.dtype])
 
 
 @lru_cache(maxsize=4096)
@@ -136,17 +134,25 @@ def inputs(norm: bool, freqs: bool) -> list[str]:
             + ["offsets", "params"])
 
 
-def body(norm: bool, freqs: bool) -> str:
-    return ("omlx_qknr::qk_norm_rope<T, D, HQ, HKV, NORM, TRADITIONAL, FREQS, PER_SEQ>(q, k, "
+def body(cuda_type: str, dim: int, q_heads: int, kv_heads: int, norm: bool, traditional: bool, freqs: bool,
+         per_sequence: bool) -> str:
+    flags = ", ".join(str(flag).lower() for flag in (norm, traditional, freqs, per_sequence))
+    return (f"omlx_qknr::qk_norm_rope<{cuda_type}, {dim}, {q_heads}, {kv_heads}, {flags}>(q, k, "
             + ("q_weight, k_weight, " if norm else "nullptr, nullptr, ") + ("freqs, " if freqs else "nullptr, ")
             + "offsets, params, q_out, k_out, q_shape[0]);")
 
 
 @lru_cache(maxsize=None)
-def _kernel(norm: bool, freqs: bool):
-    return mx.fast.cuda_kernel(name=f"omlx_qk_norm_rope{'_norm' if norm else ''}{'_freqs' if freqs else ''}",
+def _kernel(dtype: mx.Dtype, dim: int, q_heads: int, kv_heads: int, norm: bool, traditional: bool, freqs: bool,
+            per_sequence: bool):
+    """One kernel per specialization, its values written into its source: MLX formats
+    template values into a kernel's source on every call."""
+    values = (dim, q_heads, kv_heads) + tuple(int(flag) for flag in (norm, traditional, freqs, per_sequence))
+    return mx.fast.cuda_kernel(name=f"omlx_qk_norm_rope_{str(dtype).split('.')[-1]}_" + "_".join(map(str, values)),
                                input_names=inputs(norm, freqs), output_names=["q_out", "k_out"],
-                               source=body(norm, freqs), header=included_source(SOURCE), ensure_row_contiguous=True)
+                               source=body(DTYPES[dtype], dim, q_heads, kv_heads, norm, traditional, freqs,
+                                           per_sequence),
+                               header=included_source(SOURCE), ensure_row_contiguous=True)
 
 
 STANDALONE_PRELUDE = """#include <cuda_bf16.h>
@@ -158,7 +164,7 @@ namespace mlx::core::cu { using Shape = cuda::std::array<int32_t, 10>; }
 
 def generated_source(dtype: mx.Dtype, dim: int, q_heads: int, kv_heads: int, norm: bool, traditional: bool,
                      freqs: bool, per_sequence: bool) -> str:
-    """The translation unit mx.fast.cuda_kernel compiles for these template values (its
+    """The translation unit mx.fast.cuda_kernel compiles for this specialization (its
     wrapper written out the way MLX 0.32 writes it), with a stand-in for MLX's device
     header: for `nvcc -arch=sm_90a` on a machine with no GPU."""
     t = DTYPES[dtype]
@@ -166,12 +172,9 @@ def generated_source(dtype: mx.Dtype, dim: int, q_heads: int, kv_heads: int, nor
     params = [f"const {types[name]}* {name}" for name in inputs(norm, freqs)]
     params.insert(1, "const __grid_constant__ Shape q_shape")
     params += [f"{t}* q_out", f"{t}* k_out"]
-    flags = {"NORM": norm, "TRADITIONAL": traditional, "FREQS": freqs, "PER_SEQ": per_sequence}
-    constants = "".join(f"  constexpr bool {name} = {str(value).lower()};\n" for name, value in flags.items())
     return (STANDALONE_PRELUDE + included_source(SOURCE) + "namespace mlx::core::cu {\n\n"
-            "__global__ void custom_kernel_omlx_qk_norm_rope(\n    " + ",\n    ".join(params) + ") {\n"
-            f"  using T = {t};\n  constexpr int D = {dim};\n  constexpr int HQ = {q_heads};\n"
-            f"  constexpr int HKV = {kv_heads};\n" + constants + "  " + body(norm, freqs) + "\n}\n\n"
+            "__global__ void custom_kernel_omlx_qk_norm_rope(\n    " + ",\n    ".join(params) + ") {\n  "
+            + body(t, dim, q_heads, kv_heads, norm, traditional, freqs, per_sequence) + "\n}\n\n"
             "} // namespace mlx::core::cu\n")
 
 

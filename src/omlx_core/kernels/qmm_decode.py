@@ -181,11 +181,11 @@ def segment_names(segments: int, name: str) -> list[str]:
     return [name] if segments == 1 else [f"{name}{s}" for s in range(segments)]
 
 
-def inputs(split: bool, segments: int = 1, gated: bool = False, residual: bool = False) -> tuple:
-    """The kernel's inputs: x (and `up` when the input is swiglu(x, up)), then each linear's
-    weight, scales and biases, the residual added to the output if any; the split of K
-    across CTAs also needs the row tiles' counters."""
-    names = ["x", "up"] if gated else ["x"]
+def inputs(split: bool, segments: int = 1, residual: bool = False) -> tuple:
+    """The kernel's inputs: x, then each linear's weight, scales and biases, the residual
+    added to the output if any; the split of K across CTAs also needs the row tiles'
+    counters."""
+    names = ["x"]
     for w, scales, biases in zip(*(segment_names(segments, n) for n in ("w", "scales", "biases"))):
         names += [w, scales, biases]
     names += ["residual"] if residual else []
@@ -199,13 +199,13 @@ def outputs(split: bool, segments: int = 1) -> tuple:
 
 
 def kernel_name(config: Config, dtype: mx.Dtype, bits: int, group_size: int, split: bool, segments: int = 1,
-                gated: bool = False, residual: bool = False) -> str:
+                residual: bool = False) -> str:
     return (config.name(dtype, bits, group_size) + ("" if split else "_whole") + ("" if segments == 1 else f"_s{segments}")
-            + ("_glu" if gated else "") + ("_res" if residual else ""))
+            + ("_res" if residual else ""))
 
 
 def body(config: Config, dtype: mx.Dtype, bits: int, group_size: int, split: bool = True, segments: int = 1,
-         gated: bool = False, residual: bool = False) -> str:
+         residual: bool = False) -> str:
     """The kernel body: M is every leading dimension of x (a [B, L, K] input is launched
     as it is, no reshape), K its last, N[s] the rows of linear s's weight."""
     c = config
@@ -218,17 +218,16 @@ def body(config: Config, dtype: mx.Dtype, bits: int, group_size: int, split: boo
             f"const int ns[] = {{{', '.join(f'{name}_shape[0]' for name in w)}}};\n"
             f"{t}* os[] = {{{', '.join(out)}}};\n"
             f"omlx_qmm::qmm_decode_segments<{t}, {bits}, {group_size}, {c.tiles}, {c.rows}, {c.warps_n}, "
-            f"{c.warps_k}, {c.rounds}, {c.slice_k}, {segments}, {c.loads_in_flight}, {str(gated).lower()}, "
-            f"{str(residual).lower()}>(x, {'up' if gated else 'nullptr'}, ws, ss, bs, ns, "
+            f"{c.warps_k}, {c.rounds}, {c.slice_k}, {segments}, {c.loads_in_flight}, "
+            f"{str(residual).lower()}>(x, ws, ss, bs, ns, "
             f"{'residual' if residual else 'nullptr'}, {'locks' if split else 'nullptr'}, os, "
             f"{'partial' if split else 'nullptr'}, M, x_shape[x_ndim - 1]);")
 
 
-def parameters(dtype: mx.Dtype, split: bool, segments: int = 1, gated: bool = False, residual: bool = False) -> str:
+def parameters(dtype: mx.Dtype, split: bool, segments: int = 1, residual: bool = False) -> str:
     """The generated kernel's parameter list, as MLX 0.32 writes it for `body`."""
     t = DTYPES[dtype]
     text = f"    const {t}* x,\n    const __grid_constant__ Shape x_shape,\n    const __grid_constant__ int x_ndim,\n"
-    text += f"    const {t}* up,\n" if gated else ""
     for w, scales, biases in zip(*(segment_names(segments, n) for n in ("w", "scales", "biases"))):
         text += (f"    const uint32_t* {w},\n    const __grid_constant__ Shape {w}_shape,\n"
                  f"    const {t}* {scales},\n    const {t}* {biases},\n")
@@ -240,13 +239,13 @@ def parameters(dtype: mx.Dtype, split: bool, segments: int = 1, gated: bool = Fa
 
 
 def launch_bounds(config: Config, dtype: mx.Dtype, bits: int, group_size: int, split: bool = True,
-                  segments: int = 1, gated: bool = False, residual: bool = False) -> str:
+                  segments: int = 1, residual: bool = False) -> str:
     """A declaration of MLX's generated kernel with launch bounds (MLX writes the
     definition without any): the register budget that lets several CTAs share an SM."""
     return ("namespace mlx::core::cu {\n"
             f"__global__ void __launch_bounds__({config.threads}, {config.per_sm}) "
-            f"custom_kernel_{kernel_name(config, dtype, bits, group_size, split, segments, gated, residual)}(\n"
-            f"{parameters(dtype, split, segments, gated, residual)};\n"
+            f"custom_kernel_{kernel_name(config, dtype, bits, group_size, split, segments, residual)}(\n"
+            f"{parameters(dtype, split, segments, residual)};\n"
             "}  // namespace mlx::core::cu\n")
 
 
@@ -258,8 +257,8 @@ def source_text() -> str:
 
 
 def header(config: Config, dtype: mx.Dtype, bits: int, group_size: int, split: bool = True, segments: int = 1,
-           gated: bool = False, residual: bool = False) -> str:
-    return source_text() + launch_bounds(config, dtype, bits, group_size, split, segments, gated, residual)
+           residual: bool = False) -> str:
+    return source_text() + launch_bounds(config, dtype, bits, group_size, split, segments, residual)
 
 
 STANDALONE_PRELUDE = """#include <cuda_bf16.h>
@@ -271,25 +270,24 @@ namespace mlx::core::cu { using Shape = cuda::std::array<int32_t, 10>; }
 
 
 def generated_source(config: Config, dtype: mx.Dtype, bits: int, group_size: int, split: bool = True,
-                     prelude: str = STANDALONE_PRELUDE, segments: int = 1, gated: bool = False,
-                     residual: bool = False) -> str:
+                     prelude: str = STANDALONE_PRELUDE, segments: int = 1, residual: bool = False) -> str:
     """The translation unit mx.fast.cuda_kernel compiles (its wrapper written out the way
     MLX 0.32 writes it), with `prelude` for MLX's device header: for `nvcc -arch=sm_90a`
     on a machine with no GPU."""
-    variant = (config, dtype, bits, group_size, split, segments, gated, residual)
+    variant = (config, dtype, bits, group_size, split, segments, residual)
     return (prelude + header(*variant)
             + "namespace mlx::core::cu {\n\nnamespace cg = cooperative_groups;\n\n"
             + f"__global__ void custom_kernel_{kernel_name(*variant)}(\n"
-            + parameters(dtype, split, segments, gated, residual) + " {\n"
+            + parameters(dtype, split, segments, residual) + " {\n"
             + body(*variant) + "\n}\n\n} // namespace mlx::core::cu\n")
 
 
 @lru_cache(maxsize=None)
 def _kernel(config: Config, dtype: mx.Dtype, bits: int, group_size: int, split: bool, segments: int = 1,
-            gated: bool = False, residual: bool = False):
-    variant = (config, dtype, bits, group_size, split, segments, gated, residual)
+            residual: bool = False):
+    variant = (config, dtype, bits, group_size, split, segments, residual)
     return mx.fast.cuda_kernel(
-        name=kernel_name(*variant), input_names=list(inputs(split, segments, gated, residual)),
+        name=kernel_name(*variant), input_names=list(inputs(split, segments, residual)),
         output_names=list(outputs(split, segments)), source=body(*variant), header=header(*variant),
         ensure_row_contiguous=True, shared_memory=config.shared_bytes)
 
@@ -312,13 +310,12 @@ class Launch:
     out_dtypes: list
     partial: int  # floats of the split-K partial sums; 0: one slice, no counters, no partials
 
-    def __call__(self, x: mx.array, weights: list, locks, up: mx.array | None = None,
-                 residual: mx.array | None = None) -> list[mx.array]:
-        """`weights`: each linear's weight, scales and biases, one after another; `up` and
-        `residual` exactly when the launch was made for them (`launch_for`)."""
+    def __call__(self, x: mx.array, weights: list, locks, residual: mx.array | None = None) -> list[mx.array]:
+        """`weights`: each linear's weight, scales and biases, one after another; `residual`
+        exactly when the launch was made for one (`launch_for`)."""
         lead = x.shape[:-1]
         shapes = [lead + n for n in self.out_shapes]
-        args = [x] + ([up] if up is not None else []) + weights + ([residual] if residual is not None else [])
+        args = [x] + weights + ([residual] if residual is not None else [])
         if self.partial:
             return self.kernel(inputs=args + [locks], output_shapes=shapes + [(self.partial,)],
                                output_dtypes=self.out_dtypes, grid=self.grid, threadgroup=self.threadgroup)[:-1]
@@ -328,9 +325,9 @@ class Launch:
 
 @lru_cache(maxsize=4096)
 def launch_for(ns: tuple, k: int, tokens: int, dtype: mx.Dtype, bits: int, group_size: int,
-               config: Config | None = None, gated: bool = False, residual: bool = False) -> Launch:
+               config: Config | None = None, residual: bool = False) -> Launch:
     """The launch of linears with `ns` outputs (one, or a group of one input) for `tokens`
-    tokens; `gated`: of swiglu(x, up); `residual`: the output plus a residual (one linear)."""
+    tokens; `residual`: the output plus a residual (one linear)."""
     if why := kernel_available():  # checked once per shape: launches are cached
         raise OmlxError(f"qmm_decode {why}")
     config = config or default_config(tokens, bits)
@@ -338,46 +335,42 @@ def launch_for(ns: tuple, k: int, tokens: int, dtype: mx.Dtype, bits: int, group
         raise OmlxError(f"qmm_decode: config for {8 * config.tiles} tokens given {tokens}")
     splits = config.splits(sum(ns), k)
     split = splits > 1
-    return Launch(_kernel(config, dtype, bits, group_size, split, len(ns), gated, residual),
+    return Launch(_kernel(config, dtype, bits, group_size, split, len(ns), residual),
                   (config.columns(*ns) * config.threads, splits, 1), (config.threads, 1, 1), tuple((n,) for n in ns),
                   [dtype] * len(ns) + ([mx.float32] if split else []), splits * tokens * sum(ns) if split else 0)
 
 
 def quantized_matmul_decode(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array,
-                            group_size: int, bits: int, *, up: mx.array | None = None,
-                            residual: mx.array | None = None, locks: mx.array | None = None,
+                            group_size: int, bits: int, *, residual: mx.array | None = None, locks: mx.array | None = None,
                             config: Config | None = None, ctas: int | None = None) -> mx.array:
     """`mx.quantized_matmul(x, w, scales, biases, transpose=True, ...)` for 1..64 tokens,
     with every argument checked (DecodeQuantizedLinear checks its layer once instead).
 
-    `up`: the input is mlx-lm's `swiglu(x, up)` (x the gate), computed in the kernel;
-    `residual`: returns `residual + product`, added in the kernel. Both round as MLX's
-    separate ops do. `locks`: int32 zeros, `lock_count(N)` of them, owned by the caller
+    `residual`: returns `residual + product`, added in the kernel and rounded as MLX's
+    separate add rounds. `locks`: int32 zeros, `lock_count(N)` of them, owned by the caller
     and never used by two calls at once (the kernel leaves them zero); without it a fresh
     zero buffer is made per call. `config` / `ctas` override the launch shape (the
     benchmark's sweep).
     """
-    return grouped_matmul_decode(x, [(w, scales, biases)], group_size, bits, up=up, residual=residual, locks=locks,
+    return grouped_matmul_decode(x, [(w, scales, biases)], group_size, bits, residual=residual, locks=locks,
                                  config=config, ctas=ctas)[0]
 
 
 def grouped_matmul_decode(x: mx.array, layers: list, group_size: int, bits: int, *,
-                          up: mx.array | None = None, residual: mx.array | None = None,
+                          residual: mx.array | None = None,
                           locks: mx.array | None = None, config: Config | None = None,
                           ctas: int | None = None) -> list[mx.array]:
     """`quantized_matmul_decode` of one input by several linears ((w, scales, biases)
-    triples of one format) in one launch: their outputs, in order (`up` and `residual`
-    take one linear). `locks`: `lock_count(N0, N1, ...)` zeros."""
+    triples of one format) in one launch: their outputs, in order (a `residual` takes
+    one linear). `locks`: `lock_count(N0, N1, ...)` zeros."""
     if why := kernel_available():
         raise OmlxError(f"qmm_decode {why}")
     k = x.shape[-1]
     tokens = x.size // k if k else 0
     if not 1 <= tokens <= MAX_TOKENS:
         raise OmlxError(f"qmm_decode computes 1..{MAX_TOKENS} tokens, not {tokens}")
-    if (up is not None or residual is not None) and len(layers) != 1:
-        raise OmlxError(f"qmm_decode: a gated input or a residual takes one linear, not {len(layers)}")
-    if up is not None and (up.shape != x.shape or up.dtype != x.dtype):
-        raise OmlxError(f"qmm_decode: up {up.shape} {up.dtype} must match the gate x {x.shape} {x.dtype}")
+    if residual is not None and len(layers) != 1:
+        raise OmlxError(f"qmm_decode: a residual takes one linear, not {len(layers)}")
     if residual is not None and (residual.shape != x.shape[:-1] + (layers[0][0].shape[0],)
                                  or residual.dtype != x.dtype):
         raise OmlxError(f"qmm_decode: residual {residual.shape} {residual.dtype} must match the output "
@@ -396,8 +389,8 @@ def grouped_matmul_decode(x: mx.array, layers: list, group_size: int, bits: int,
         config = replace(config or default_config(tokens, bits), ctas=ctas)
     if locks is None:
         locks = mx.zeros((lock_count(*ns),), dtype=mx.int32)
-    launch = launch_for(ns, k, tokens, x.dtype, bits, group_size, config, up is not None, residual is not None)
-    return launch(x, [a for layer in layers for a in layer], locks, up, residual)
+    launch = launch_for(ns, k, tokens, x.dtype, bits, group_size, config, residual is not None)
+    return launch(x, [a for layer in layers for a in layer], locks, residual)
 
 
 class DecodeQuantizedLinear(nn.QuantizedLinear):
@@ -432,7 +425,8 @@ class DecodeQuantizedLinear(nn.QuantizedLinear):
         # Underscored: not a parameter (not saved, not counted as weights).
         module._locks = mx.zeros((lock_count(layer.weight.shape[0]),), dtype=mx.int32)
         mx.eval(module._locks)
-        # This layer's launches by token count, a plain attribute (outside the module tree).
+        # This layer's launches by token count (and (count, "residual") for `with_residual`),
+        # a plain attribute (outside the module tree).
         object.__setattr__(module, "_launches", {})
         module.freeze()
         return module
@@ -461,29 +455,24 @@ class DecodeQuantizedLinear(nn.QuantizedLinear):
             out = launch(x, [w, self["scales"], self["biases"]], self["_locks"])[0]
         return out + self["bias"] if "bias" in self else out
 
-    def fused(self, x: mx.array, up: mx.array | None = None, residual: mx.array | None = None) -> mx.array:
-        """`residual + self(swiglu(x, up))`, either part optional: one launch where the
-        kernel takes x (this linear alone, no bias), else MLX's separate ops. Why: a
-        decoder layer's down projection and attention's output projection each save a
-        launch (the swiglu, the residual add) and a round trip of their activations."""
+    def with_residual(self, x: mx.array, residual: mx.array) -> mx.array:
+        """`residual + self(x)` in one launch where the kernel takes x (this linear alone, no
+        bias, a residual of the output's shape and x's type), else MLX's add. Why: a decoder
+        layer's two output projections (attention's, the MLP's down) each save the add's
+        launch and a round trip of their activations."""
         k = x.shape[-1]
         tokens = x.size // k
         w = self["weight"]
-        if (not self.uses_kernel(x) or self._group is not None or "bias" in self
-                or (up is not None and (up.shape != x.shape or up.dtype != x.dtype))
-                or (residual is not None and (residual.shape != x.shape[:-1] + (w.shape[0],)
-                                              or residual.dtype != x.dtype))):
-            from mlx_lm.models.activations import swiglu
-
-            out = self(x if up is None else swiglu(x, up))
-            return out if residual is None else residual + out
+        if (self._dtype is None or tokens > self.max_tokens or tokens < self.min_tokens or x.dtype != self._dtype
+                or self._group is not None or "bias" in self or residual.dtype != x.dtype
+                or residual.shape != x.shape[:-1] + (w.shape[0],)):
+            return residual + self(x)
         object.__setattr__(self, "calls", self.calls + 1)
-        key = (tokens, up is not None, residual is not None)
-        launch = self._launches.get(key)
+        launch = self._launches.get((tokens, "residual"))
         if launch is None:
-            launch = self._launches[key] = launch_for((w.shape[0],), k, tokens, x.dtype, self.bits, self.group_size,
-                                                      None, *key[1:])
-        return launch(x, [w, self["scales"], self["biases"]], self["_locks"], up, residual)[0]
+            launch = self._launches[(tokens, "residual")] = launch_for((w.shape[0],), k, tokens, x.dtype, self.bits,
+                                                                       self.group_size, residual=True)
+        return launch(x, [w, self["scales"], self["biases"]], self["_locks"], residual)[0]
 
 
 class DecodeGroup:

@@ -31,12 +31,12 @@ import mlx.nn as nn
 from omlx_core.errors import OmlxError
 from omlx_core.kernels import qk_norm_rope
 from omlx_core.kernels.qmm_decode import DecodeQuantizedLinear
-from omlx_core.kernels.registry import HardwareMatch, KernelSpec, ModelMatch, Validation, replace_modules
+from omlx_core.kernels.registry import (HardwareMatch, KernelSpec, ModelMatch, Validation, included_source,
+                                        replace_modules)
 from omlx_core.kernels.restated import Restated
 from omlx_core.prefill.fast_paths import unwrap
 
 SOURCE = "sdpa_decode.cu"
-BODY_MARKER = "// ---- body ----"
 HEAD_DIMS = (64, 128)
 MAX_GROUP = 8  # query heads per key/value head
 THREADS = 128
@@ -45,7 +45,7 @@ CTAS_PER_SM = 2  # what the slices aim at (and fit an SM's registers): 8 warps, 
 MIN_KEYS = 64  # fewest keys of a slice: below this a CTA's fixed cost outweighs its reads
 MAX_SPLITS = 64  # most slices of one head (the kernel's combine holds their weights)
 REGISTERS = 65536  # an SM's 32-bit registers: CTAS_PER_SM CTAs of THREADS must fit them
-DTYPES = (mx.bfloat16, mx.float16)
+DTYPES = {mx.bfloat16: "__nv_bfloat16", mx.float16: "__half"}  # and their CUDA types
 MIN_BATCH = 2  # one sequence stays on MLX's attention: cuDNN's is faster there (docs/benchmarks/attention-h200.json)
 
 
@@ -76,20 +76,19 @@ def splits_for(pairs: int, keys: int) -> int:
     return max(1, min(wanted, math.ceil(keys / MIN_KEYS), MAX_SPLITS))
 
 
-@lru_cache(maxsize=1)
-def _source() -> tuple[str, str]:
-    from omlx_core.kernels.registry import kernel_source
-
-    header, body = kernel_source(SOURCE).split(BODY_MARKER, 1)
-    return header, body
+def body(cuda_type: str, dim: int, group: int) -> str:
+    return (f"omlx_sdpa::decode<{cuda_type}, {dim}, {group}>(q, q_strides.data(), k, k_strides.data(), v, "
+            "v_strides.data(), scale[0], starts, locks, out, partial, k_shape[1], k_shape[2]);")
 
 
-@lru_cache(maxsize=1)
-def _kernel():
-    header, body = _source()
-    return mx.fast.cuda_kernel(name="omlx_sdpa_decode", input_names=["q", "k", "v", "scale", "starts", "locks"],
-                               output_names=["out", "partial"], source=body, header=header,
-                               ensure_row_contiguous=False)
+@lru_cache(maxsize=None)
+def _kernel(dtype: mx.Dtype, dim: int, group: int):
+    """One kernel per activation type, head size and group, its values written into its
+    source: MLX formats template values into a kernel's source on every call."""
+    return mx.fast.cuda_kernel(name=f"omlx_sdpa_decode_{str(dtype).split('.')[-1]}_{dim}_{group}",
+                               input_names=["q", "k", "v", "scale", "starts", "locks"],
+                               output_names=["out", "partial"], source=body(DTYPES[dtype], dim, group),
+                               header=included_source(SOURCE), ensure_row_contiguous=False)
 
 
 @lru_cache(maxsize=64)
@@ -132,9 +131,8 @@ def launch(q: mx.array, k: mx.array, v: mx.array, scale: float, starts: mx.array
     splits = splits_for(batch * kv_heads, keys)
     partial = splits * batch * heads * (dim + 2) if splits > 1 else 1  # one slice: unused
     starts = _no_padding(batch) if starts is None else starts.astype(mx.int32)
-    out, _ = _kernel()(
+    out, _ = _kernel(q.dtype, dim, heads // kv_heads)(
         inputs=[q, k, v, _scale(float(scale)), starts, locks],
-        template=[("T", q.dtype), ("D", dim), ("G", heads // kv_heads)],
         grid=(batch * kv_heads * THREADS, splits, 1), threadgroup=(THREADS, 1, 1),
         output_shapes=[(batch, heads, 1, dim), (partial,)], output_dtypes=[q.dtype, mx.float32])
     return out
@@ -198,7 +196,7 @@ class DecodeAttention(Restated):
             return self.o_proj(output)
         o_proj = unwrap(self.o_proj)
         if isinstance(o_proj, DecodeQuantizedLinear):
-            return o_proj.fused(output, residual=residual)
+            return o_proj.with_residual(output, residual)
         return residual + self.o_proj(output)
 
 
@@ -242,16 +240,14 @@ using Strides = cuda::std::array<int64_t, 10>;
 
 
 def generated_source(dtype: str, dim: int, group: int) -> str:
-    """The translation unit mx.fast.cuda_kernel compiles for these template values (its
-    wrapper written out the way MLX 0.32 writes it), with a stand-in for MLX's device
-    header: for `nvcc -arch=sm_90a` on a machine with no GPU."""
-    header, body = _source()
+    """The translation unit mx.fast.cuda_kernel compiles for this CUDA type, head size and
+    group (its wrapper written out the way MLX 0.32 writes it), with a stand-in for MLX's
+    device header: for `nvcc -arch=sm_90a` on a machine with no GPU."""
     params = ",\n".join(f"    {param}" for param in (
         f"const {dtype}* q", "const __grid_constant__ Strides q_strides",
         f"const {dtype}* k", "const __grid_constant__ Shape k_shape", "const __grid_constant__ Strides k_strides",
         f"const {dtype}* v", "const __grid_constant__ Strides v_strides",
         "const float* scale", "const int32_t* starts", "const int32_t* locks", f"{dtype}* out", "float* partial"))
-    return (STANDALONE_PRELUDE + header + "namespace mlx::core::cu {\n\n"
-            f"__global__ void custom_kernel_omlx_sdpa_decode(\n{params}) {{\n"
-            f"  using T = {dtype};\n  constexpr int D = {dim};\n  constexpr int G = {group};\n"
-            + body + "\n}\n\n} // namespace mlx::core::cu\n")
+    return (STANDALONE_PRELUDE + included_source(SOURCE) + "namespace mlx::core::cu {\n\n"
+            f"__global__ void custom_kernel_omlx_sdpa_decode(\n{params}) {{\n  " + body(dtype, dim, group)
+            + "\n}\n\n} // namespace mlx::core::cu\n")
