@@ -62,8 +62,8 @@ def stand_in(calls: list):
     def make(dtype, head_dim, q_heads, kv_heads, norm, traditional, freqs, per_sequence):
         def run(inputs, grid, threadgroup, output_shapes, output_dtypes):
             named = dict(zip(qk_norm_rope.inputs(norm, freqs), inputs))
-            t = {"D": head_dim, "HQ": q_heads, "HKV": kv_heads, "NORM": norm, "TRADITIONAL": traditional, "FREQS": freqs,
-                 "PER_SEQ": per_sequence}
+            t = {"D": head_dim, "HQ": q_heads, "HKV": kv_heads, "NORM": norm, "TRADITIONAL": traditional,
+                 "FREQS": freqs, "PER_SEQ": per_sequence}
             assert named["q"].dtype == dtype and output_dtypes == [dtype, dtype]
             calls.append({"norm": norm, "freqs": freqs, "template": t, "grid": grid})
             log2_base, scale, eps = named["params"].tolist()

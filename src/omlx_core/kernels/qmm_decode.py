@@ -341,8 +341,9 @@ def launch_for(ns: tuple, k: int, tokens: int, dtype: mx.Dtype, bits: int, group
 
 
 def quantized_matmul_decode(x: mx.array, w: mx.array, scales: mx.array, biases: mx.array,
-                            group_size: int, bits: int, *, residual: mx.array | None = None, locks: mx.array | None = None,
-                            config: Config | None = None, ctas: int | None = None) -> mx.array:
+                            group_size: int, bits: int, *, residual: mx.array | None = None,
+                            locks: mx.array | None = None, config: Config | None = None,
+                            ctas: int | None = None) -> mx.array:
     """`mx.quantized_matmul(x, w, scales, biases, transpose=True, ...)` for 1..64 tokens,
     with every argument checked (DecodeQuantizedLinear checks its layer once instead).
 
