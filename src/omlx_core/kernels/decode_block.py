@@ -16,8 +16,10 @@ every CTA recomputing it for the whole input: docs/benchmarks/decode-h100-fused.
   attention's through `DecodeAttention`'s `residual`); every other input runs mlx-lm's
   forward on this module.
 - `install(model)` replaces the blocks whose down projection is a DecodeQuantizedLinear
-  (a registered kernel of its own, after qmm_decode; not yet validated on any GPU, so
-  `auto` leaves it off and `on` tries it); `plain(module)` undoes it.
+  (a registered kernel of its own, after qmm_decode; exact on the H100 and the H200 but
+  slower for the batch-8 step on the H200, the host's share grown, cause not yet found
+  (docs/benchmarks/decode-h200-residual-prologue.json): not validated, so `auto` leaves it
+  off and `on` tries it); `plain(module)` undoes it.
 """
 
 import mlx.core as mx

@@ -13,8 +13,10 @@ does it all in one launch with MLX's roundings (see the file's comment).
 - `reference(attention, queries, keys, offset)`: the same by mlx-lm's own ops (the path
   wherever the kernel does not run, and the benchmark's baseline).
 - `install(model)`: gives every sdpa_decode DecodeAttention of the model its Prologue (a
-  registered kernel of its own, after sdpa_decode; not yet validated on any GPU, so `auto`
-  leaves it off and `on` tries it).
+  registered kernel of its own, after sdpa_decode; exact on the H100 and the H200 and
+  faster on the GPU, but not yet measurably faster for a whole step
+  (docs/benchmarks/decode-h200-residual-prologue.json): not validated, so `auto` leaves it
+  off and `on` tries it).
 """
 
 import math
