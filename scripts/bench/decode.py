@@ -490,9 +490,10 @@ def mlp_tail(up_step, down_layers, residual: bool):
         h = up_step(i, y)
         wq, s, b = layers[i % len(layers)]
         lock = locks[i % len(layers)]
+        x = swiglu(h, h)
         if residual:
-            return qmm_decode.quantized_matmul_decode(swiglu(h, h), wq, s, b, GROUP, BITS, residual=y, locks=lock)
-        return y + qmm_decode.quantized_matmul_decode(swiglu(h, h), wq, s, b, GROUP, BITS, locks=lock)
+            return qmm_decode.quantized_matmul_decode(x, wq, s, b, GROUP, BITS, residual=y, locks=lock)
+        return y + qmm_decode.quantized_matmul_decode(x, wq, s, b, GROUP, BITS, locks=lock)
     return step
 
 
@@ -543,13 +544,16 @@ def layers_child(tokens, repeats: int, quick: bool, sweep: bool, out: Path, call
         x = mx.random.normal((m, up_k)).astype(mx.bfloat16)
         up = variants(*built[LAYERS[1]], configs, with_mlx, m)
         down = variants(*built[LAYERS[2]], configs, with_mlx, m)
+        def after_up(name: str, pair_step, up_name: str) -> None:
+            """`name`'s time: the chained (up, then pair_step's rest) pair minus up_name's up."""
+            pair = chain_seconds(pair_step, x, calls // 2, repeats)
+            timed[(*LAYERS[2], name)] = tuple(max(0.0, p - u) for p, u in zip(pair, timed[(up_k, up_n, up_name)]))
+
         for name in up:
-            pair = chain_seconds((lambda u, d: lambda i, y: d(i, u(i, y)))(up[name], down[name]), x, calls // 2, repeats)
-            timed[(*LAYERS[2], name)] = tuple(max(0.0, p - u) for p, u in zip(pair, timed[(up_k, up_n, name)]))
+            after_up(name, (lambda u, d: lambda i, y: d(i, u(i, y)))(up[name], down[name]), name)
         if m <= qmm_decode.MAX_TOKENS:
             for name, residual in (("mlp_tail", False), ("mlp_tail_residual", True)):
-                pair = chain_seconds(mlp_tail(up["ours"], built[LAYERS[2]], residual), x, calls // 2, repeats)
-                timed[(*LAYERS[2], name)] = tuple(max(0.0, p - u) for p, u in zip(pair, timed[(up_k, up_n, "ours")]))
+                after_up(name, mlp_tail(up["ours"], built[LAYERS[2]], residual), "ours")
         for (k, n, name), (wall, gpu) in timed.items():
             nbytes = k * n * 2 if name == "dense_bf16" else layer_bytes(built[(k, n)][0][0])
             rows.append({"k": k, "n": n, "m": m, "variant": name, "us": gpu * 1e6, "wall_us": wall * 1e6,

@@ -67,16 +67,13 @@ def install(model, variant: str) -> str:
     """Put `variant` in place; empty, or why it cannot run here."""
     if variant == "stock":
         return ""
-    from omlx_core.kernels import decode_block, qk_norm_rope, qmm_decode, sdpa_decode
+    from decode import install_variant
+
+    from omlx_core.kernels import qmm_decode
 
     if why := qmm_decode.kernel_available():
         return why
-    qmm_decode.install(model, formats=qmm_decode.ALL_FORMATS, min_tokens=1)
-    sdpa_decode.install(model)
-    if variant in ("prologue", "fused"):
-        qk_norm_rope.install(model)
-    if variant in ("residual", "fused"):
-        decode_block.install(model)
+    install_variant(model, "kernel_attention" if variant == "kernels" else variant)  # decode.py's variants
     return ""
 
 

@@ -464,8 +464,7 @@ class DecodeQuantizedLinear(nn.QuantizedLinear):
         k = x.shape[-1]
         tokens = x.size // k
         w = self["weight"]
-        if (self._dtype is None or tokens > self.max_tokens or tokens < self.min_tokens or x.dtype != self._dtype
-                or self._group is not None or "bias" in self or residual.dtype != x.dtype
+        if (not self.uses_kernel(x) or self._group is not None or "bias" in self or residual.dtype != x.dtype
                 or residual.shape != x.shape[:-1] + (w.shape[0],)):
             return residual + self(x)
         object.__setattr__(self, "calls", self.calls + 1)
