@@ -6,7 +6,7 @@ checked on the GPU machine by scripts/bench/decode.py (--parts exact: the residu
 
 import mlx.core as mx
 import pytest
-from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
 from test_qmm_decode import quantized, reference_kernel
 from test_sdpa_decode import decode_logits, tiny_model
 from test_sdpa_decode import reference_kernel as reference_attention
@@ -15,8 +15,10 @@ from omlx_core.errors import OmlxError
 from omlx_core.kernels import decode_block, qmm_decode, sdpa_decode
 from omlx_core.kernels.decode_block import DecodeBlock
 from omlx_core.kernels.qmm_decode import ALL_FORMATS, DecodeQuantizedLinear
+from omlx_core.prefill.split import replace_module
 
 PROMPT = mx.array([[3, 14, 15, 92, 65, 35, 89, 79]] * 2, dtype=mx.int32)
+LAYER = [(3, False), (1, True), (2, False), (1, True)]  # a layer's launches: q/k/v, o_proj, gate/up, down
 
 
 @pytest.fixture
@@ -46,10 +48,54 @@ def test_decode_blocks_decode_as_mlx_lm_does_mocked_cuda(arch, launches):
     ours = decode_logits(model, make_prompt_cache(model), PROMPT)
     for a, b in zip(stock, ours):
         assert mx.array_equal(a, b)
-    # The last decode step, per layer: q/k/v, o_proj plus the residual, gate/up, then
-    # down (of MLX's swiglu) plus the residual; then the (quantized) head.
-    layer = [(3, False), (1, True), (2, False), (1, True)]
-    assert kinds(launches[-9:]) == layer * 2 + [(1, False)]
+    # The first decode step traces each layer's compiled halves, recording their launches
+    # once: q/k/v, o_proj plus the residual, gate/up, down (of MLX's swiglu) plus the
+    # residual; then the (quantized) head. The later 3 steps replay the traces (no Python,
+    # nothing recorded) and launch only the head from Python.
+    assert kinds(launches[-12:]) == LAYER * 2 + [(1, False)] * 4
+
+
+def test_the_compiled_step_retraces_after_a_module_replacement_and_per_batch_size_mocked_cuda(launches):
+    model = tiny_model("qwen3")
+    qmm_decode.install(model, formats=ALL_FORMATS)
+    sdpa_decode.install(model)
+    decode_block.install(model)
+    traced_then_replayed = LAYER * 2 + [(1, False)] * 2  # then the head alone
+    decode_logits(model, make_prompt_cache(model), PROMPT, steps=2)
+    assert kinds(launches[-10:]) == traced_then_replayed
+    replace_module(model, "lm_head", model.lm_head)  # any replacement: a trace may hold stale modules
+    launches.clear()
+    decode_logits(model, make_prompt_cache(model), PROMPT, steps=2)
+    assert kinds(launches[-10:]) == traced_then_replayed
+    launches.clear()
+    decode_logits(model, make_prompt_cache(model), PROMPT, steps=2)
+    assert kinds(launches[-3:]) == [(1, False)] * 3  # the prompt's head, each step's: the layers replayed
+
+
+def test_one_sequence_takes_the_compiled_step_on_mlx_lms_linears_mocked_cuda(launches):
+    model = tiny_model("llama")
+    stock = decode_logits(model, make_prompt_cache(model), PROMPT[:1])
+    qmm_decode.install(model, formats=ALL_FORMATS)
+    sdpa_decode.install(model)
+    decode_block.install(model)
+    ours = decode_logits(model, make_prompt_cache(model), PROMPT[:1])  # a plain cache: its offset an int
+    assert all(c["x"].shape[1] == 8 for c in launches)  # the prompt's: no kernel at one token
+    assert all(layer._compiled is not None for layer in model.layers)
+    for a, b in zip(stock, ours):
+        assert mx.array_equal(a, b)
+
+
+def test_the_compiled_step_on_a_left_padded_batch_cache_mocked_cuda(launches):
+    model = tiny_model("qwen3")
+    prompt = mx.array([[3, 14, 15, 92, 65, 35], [0, 0, 0, 7, 11, 13]], dtype=mx.int32)  # left-padded by 3
+    stock = decode_logits(model, [BatchKVCache([0, 3]) for _ in model.layers], prompt)
+    qmm_decode.install(model, formats=ALL_FORMATS)
+    sdpa_decode.install(model)
+    decode_block.install(model)
+    ours = decode_logits(model, [BatchKVCache([0, 3]) for _ in model.layers], prompt)
+    assert kinds(launches[-12:]) == LAYER * 2 + [(1, False)] * 4
+    for a, b in zip(stock, ours):
+        assert mx.allclose(a, b, atol=1e-2, rtol=0)  # stock masks with -inf in bf16, the kernel drops the keys
 
 
 def test_without_decode_attention_the_block_adds_attentions_residual_itself_mocked_cuda(launches):

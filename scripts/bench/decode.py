@@ -279,10 +279,11 @@ def run_greedy(matmul_name: str, workdir: Path, count: int = 64, quick: bool = F
         if matmul_name == "dense":
             layers = install_dense_copy(model, {"compute.dense_copy": "on"}, backend="cuda").layers
         else:
-            from omlx_core.kernels import decode_block
+            from omlx_core.kernels import decode_block, sdpa_decode
 
             paths = qmm_decode.install(model, formats=qmm_decode.ALL_FORMATS, min_tokens=1)
-            decode_block.install(model)  # the residual adds in the output projections too, where it takes the layers
+            sdpa_decode.install(model)  # and decode_block's compiled step with the residual adds, where they apply
+            decode_block.install(model)
             modules = dict(model.named_modules())
             layers = [modules[p] for p in paths]
         ours = greedy_tokens(model, prompt, count)

@@ -26,10 +26,12 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.activations import swiglu
 
+from omlx_core.kernels import qk_norm_rope
 from omlx_core.kernels.qmm_decode import SOURCE, DecodeQuantizedLinear
 from omlx_core.kernels.registry import KernelSpec, replace_modules
 from omlx_core.kernels.restated import Restated
 from omlx_core.kernels.sdpa_decode import DecodeAttention
+from omlx_core.prefill import split
 from omlx_core.prefill.fast_paths import unwrap
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3")  # whose block and MLP DecodeBlock restates
@@ -50,21 +52,52 @@ def down_projection(block) -> DecodeQuantizedLinear | None:
 
 class DecodeBlock(Restated):
     """mlx-lm's TransformerBlock of ARCHITECTURES, its decode-sized steps with the residual
-    adds in the output projections (a Restated module: every other call runs mlx-lm's
-    forward)."""
+    adds in the output projections, compiled around the attention where it is a
+    DecodeAttention (a Restated module: every other call runs mlx-lm's forward)."""
+
+    def __init__(self, original):
+        super().__init__(original)
+        object.__setattr__(self, "_compiled", None)  # (split.generation, before, after)
 
     def __call__(self, x: mx.array, mask=None, cache=None) -> mx.array:
         down = down_projection(self)  # looked up per call: a later install may replace it
+        attention = self.self_attn
+        if down is not None and isinstance(attention, DecodeAttention) and attention.decodes(x, cache):
+            return self.compiled_step(x, mask, cache)  # one sequence too: the host's share is all the same
         if down is None or not down.uses_kernel(x):
             return self._forward(self, x, mask, cache)
-        attention, normed = self.self_attn, self.input_layernorm(x)
+        normed = self.input_layernorm(x)
         if isinstance(attention, DecodeAttention):
             h = attention(normed, mask, cache, residual=x)
         else:
             h = x + attention(normed, mask, cache)
+        return self.after_attention(h)
+
+    def before_attention(self, x: mx.array, offset: mx.array) -> tuple[mx.array, mx.array, mx.array]:
+        return self.self_attn.project(self.input_layernorm(x), offset)
+
+    def after_attention(self, h: mx.array, attended: mx.array | None = None) -> mx.array:
+        """The layer's output from the residual stream `h` (its input, plus the attention
+        if `attended` is not given)."""
+        if attended is not None:
+            h = self.self_attn.output(attended, residual=h)
         mlp = self.mlp
         n = self.post_attention_layernorm(h)
-        return down.with_residual(swiglu(mlp.gate_proj(n), mlp.up_proj(n)), h)
+        return down_projection(self).with_residual(swiglu(mlp.gate_proj(n), mlp.up_proj(n)), h)
+
+    def compiled_step(self, x: mx.array, mask, cache) -> mx.array:
+        """One token per sequence: `before_attention` and `after_attention` as mx.compile'd
+        functions (traced once per batch size, then replayed: no Python per operation and
+        no kernel source built per launch), the cache update and the attention between
+        them as DecodeAttention runs them. Retraced after any module replacement in the
+        model (`split.generation`): a trace holds the modules it saw."""
+        compiled = self._compiled
+        if compiled is None or compiled[0] != split.generation:
+            compiled = (split.generation, mx.compile(self.before_attention), mx.compile(self.after_attention))
+            object.__setattr__(self, "_compiled", compiled)
+        offset = cache.offset if isinstance(cache.offset, mx.array) else qk_norm_rope.position(cache.offset)
+        queries, keys, values = compiled[1](x, offset)
+        return compiled[2](x, self.self_attn.attend(queries, keys, values, mask, cache))
 
 
 def plain(module) -> nn.Module:

@@ -110,7 +110,7 @@ class Prologue:
     def __call__(self, attention, queries: mx.array, keys: mx.array, offset) -> tuple[mx.array, mx.array]:
         batch = queries.shape[0]
         per_sequence = isinstance(offset, mx.array) and offset.size > 1
-        offsets = offset.astype(mx.int32) if isinstance(offset, mx.array) else _position(int(offset))
+        offsets = offset.astype(mx.int32) if isinstance(offset, mx.array) else position(int(offset))
         inputs = [queries, keys]
         inputs += [attention.q_norm.weight, attention.k_norm.weight] if self.norm else []
         inputs += [self.freqs] if self.freqs is not None else []
@@ -124,7 +124,7 @@ class Prologue:
 
 
 @lru_cache(maxsize=4096)
-def _position(offset: int) -> mx.array:
+def position(offset: int) -> mx.array:
     """One int32 position for every sequence (a plain cache's offset), made once per value."""
     position = mx.array([offset], dtype=mx.int32)
     mx.eval(position)

@@ -163,41 +163,61 @@ class DecodeAttention(Restated):
     def __call__(self, x: mx.array, mask=None, cache=None, residual: mx.array | None = None) -> mx.array:
         """mlx-lm's forward, plus `residual` if given (decode_block's DecodeBlock passes
         the layer's input: the output projection adds it in its launch where it can)."""
-        if x.shape[1] != 1 or type(cache).__name__ not in CACHES:
+        if not self.decodes(x, cache):
             out = self._forward(self, x, mask, cache)
             return out if residual is None else residual + out
         return self.decode(x, mask, cache, residual)
 
+    @staticmethod
+    def decodes(x: mx.array, cache) -> bool:
+        """One token per sequence on a cache whose keys `attend` reads: the restated case."""
+        return x.shape[1] == 1 and type(cache).__name__ in CACHES
+
     def decode(self, x: mx.array, mask, cache, residual: mx.array | None = None) -> mx.array:
-        """mlx-lm's forward for one token per sequence, qk_norm_rope's prologue and, from
-        MIN_BATCH sequences, the kernel for its attention; a BatchKVCache's mask (left
-        padding, nothing causal at one token) becomes `starts`."""
+        """mlx-lm's forward for one token per sequence, in three steps: `project`,
+        `attend`, `output` (decode_block compiles the first and the last)."""
+        queries, keys, values = self.project(x, cache.offset)
+        return self.output(self.attend(queries, keys, values, mask, cache), residual)
+
+    def project(self, x: mx.array, offset) -> tuple[mx.array, mx.array, mx.array]:
+        """Queries, keys and values of one token per sequence, (batch, heads, 1, dim), the
+        norms and RoPE at `offset` applied: qk_norm_rope's prologue where it takes them."""
         batch = x.shape[0]
         queries, keys, values = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         prologue = self._prologue  # q/k norms and RoPE: one launch where qk_norm_rope takes them
         if prologue is not None and prologue.takes(self, queries):
-            queries, keys = prologue(self, queries, keys, cache.offset)
+            queries, keys = prologue(self, queries, keys, offset)
         else:
-            queries, keys = qk_norm_rope.reference(self, queries, keys, cache.offset)
-        values = values.reshape(batch, 1, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+            queries, keys = qk_norm_rope.reference(self, queries, keys, offset)
+        return queries, keys, values.reshape(batch, 1, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+
+    def attend(self, queries: mx.array, keys: mx.array, values: mx.array, mask, cache) -> mx.array:
+        """The cache updated with this step's keys and values, and the attention of the
+        queries over it: from MIN_BATCH sequences the kernel (a BatchKVCache's mask, left
+        padding and nothing causal at one token, becomes `starts`), else mlx-lm's."""
+        batch = queries.shape[0]
         keys, values = cache.update_and_fetch(keys, values)
         if batch < MIN_BATCH or fusable(queries, keys, values) is not None:  # as mlx-lm's module computes it
             from mlx_lm.models.base import scaled_dot_product_attention
 
-            output = scaled_dot_product_attention(queries, keys, values, cache=cache, scale=self.scale, mask=mask)
-        else:
-            object.__setattr__(self, "kernel_calls", self.kernel_calls + 1)
-            locks = self._locks.get(batch)
-            if locks is None:
-                locks = self._locks[batch] = mx.zeros((batch * self.n_kv_heads,), dtype=mx.int32)
-            output = launch(queries, keys, values, self.scale, getattr(cache, "left_padding", None), locks)
-        output = output.transpose(0, 2, 1, 3).reshape(batch, 1, -1)
+            return scaled_dot_product_attention(queries, keys, values, cache=cache, scale=self.scale, mask=mask)
+        object.__setattr__(self, "kernel_calls", self.kernel_calls + 1)
+        locks = self._locks.get(batch)
+        if locks is None:
+            locks = self._locks[batch] = mx.zeros((batch * self.n_kv_heads,), dtype=mx.int32)
+        return launch(queries, keys, values, self.scale, getattr(cache, "left_padding", None), locks)
+
+    def output(self, attended: mx.array, residual: mx.array | None = None) -> mx.array:
+        """The output projection of `attend`'s heads, plus `residual` if given: added in
+        qmm_decode's launch where the projection is one."""
+        batch = attended.shape[0]
+        attended = attended.transpose(0, 2, 1, 3).reshape(batch, 1, -1)
         if residual is None:
-            return self.o_proj(output)
+            return self.o_proj(attended)
         o_proj = unwrap(self.o_proj)
         if isinstance(o_proj, DecodeQuantizedLinear):
-            return o_proj.with_residual(output, residual)
-        return residual + self.o_proj(output)
+            return o_proj.with_residual(attended, residual)
+        return residual + self.o_proj(attended)
 
 
 def plain(module) -> nn.Module:

@@ -77,9 +77,14 @@ def rows_of(module, start: int, stop: int) -> nn.Module:
     return part
 
 
+generation = 0  # replacements made so far: a compiled step that holds modules retraces after one
+
+
 def replace_module(model, path: str, module) -> None:
     """Set the submodule at dotted `path` (list indices included) to `module`: the one way
     omlx changes a model (lanes and fast paths both go through it)."""
+    global generation
+    generation += 1
     *parents, last = path.split(".")
     owner = model
     for part in parents:
