@@ -9,7 +9,7 @@ import pytest
 from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
 from test_qmm_decode import quantized, reference_kernel
 from test_sdpa_decode import decode_logits, tiny_model
-from test_sdpa_decode import reference_kernel as reference_attention
+from test_sdpa_decode import mock_attention
 
 from omlx_core.errors import OmlxError
 from omlx_core.kernels import decode_block, qmm_decode, sdpa_decode
@@ -27,7 +27,7 @@ def launches(monkeypatch) -> list:
     calls = []
     monkeypatch.setattr(qmm_decode, "kernel_available", lambda: "")
     monkeypatch.setattr(qmm_decode, "_kernel", reference_kernel(calls))
-    monkeypatch.setattr(sdpa_decode, "launch", reference_attention([]))
+    mock_attention(monkeypatch, [])
     qmm_decode.launch_for.cache_clear()
     yield calls
     qmm_decode.launch_for.cache_clear()

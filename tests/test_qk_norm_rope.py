@@ -14,7 +14,7 @@ import pytest
 from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
 from mlx_lm.models.rope_utils import Llama3RoPE, YarnRoPE
 from test_sdpa_decode import decode_logits, tiny_model
-from test_sdpa_decode import reference_kernel as reference_attention
+from test_sdpa_decode import mock_attention
 
 from omlx_core.kernels import qk_norm_rope, sdpa_decode
 from omlx_core.kernels.qk_norm_rope import Prologue
@@ -113,7 +113,7 @@ def test_the_kernel_is_handed_what_mlx_lm_computes_from_mocked_cuda(launches, mo
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_decode_attention_takes_the_prologue_launch_mocked_cuda(arch, launches, monkeypatch):
     attention_calls = []
-    monkeypatch.setattr(sdpa_decode, "launch", reference_attention(attention_calls))
+    mock_attention(monkeypatch, attention_calls)
     model = tiny_model(arch)
     prompt = mx.array([[3, 14, 15, 92, 65, 35, 89, 79]] * 2, dtype=mx.int32)
     stock = decode_logits(model, make_prompt_cache(model), prompt)

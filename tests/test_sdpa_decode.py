@@ -115,16 +115,39 @@ def reference_kernel(calls: list):
     sys.path.insert(0, str(BENCH))
     import attention
 
-    def run(q, k, v, scale, starts, locks):
+    def run(q, k, v, scale, starts, locks, written=None):
         calls.append(None if starts is None else starts.tolist())
         return attention.mlx_attention(q, k, v, scale, None if starts is None else starts.tolist())
     return run
 
 
+def write_rows_on_cpu(k_buf, v_buf, keys, values, row):
+    """A stand-in for the append kernel (mocked: no CUDA here) that writes in place as the
+    kernel does, through numpy into MLX's CPU buffers (after what makes them has run)."""
+    import numpy as np
+
+    mx.eval(k_buf, v_buf, keys, values)
+    for buffer, rows in ((k_buf, keys), (v_buf, values)):
+        assert buffer.dtype == rows.dtype and buffer.dtype in (mx.bfloat16, mx.float16)
+        memory = np.frombuffer(memoryview(buffer).cast("B"), dtype=np.uint16).reshape(buffer.shape)
+        if rows.dtype == mx.float16:
+            bits = np.array(rows).view(np.uint16)
+        else:
+            bits = np.array(rows.astype(mx.float32)).view(np.uint32) >> 16  # bf16 -> fp32 -> bf16 is exact
+        memory[:, :, row, :] = bits[:, :, 0, :].astype(np.uint16)
+    return mx.array([row + 1], dtype=mx.int32)
+
+
+def mock_attention(monkeypatch, calls: list) -> None:
+    """Both of the decode attention's kernels replaced by their stand-ins."""
+    monkeypatch.setattr(sdpa_decode, "launch", reference_kernel(calls))
+    monkeypatch.setattr(sdpa_decode, "write_rows", write_rows_on_cpu)
+
+
 @pytest.fixture
 def mocked_kernel(monkeypatch):
     calls = []
-    monkeypatch.setattr(sdpa_decode, "launch", reference_kernel(calls))
+    mock_attention(monkeypatch, calls)
     return calls
 
 
@@ -173,6 +196,40 @@ def test_installed_attention_decodes_as_mlx_lm_does_mocked_cuda(arch, mocked_ker
         restored = sdpa_decode.plain(dict(model.named_modules())[path])
         assert type(restored).__name__ == "Attention" and restored.n_heads == 4
     assert sdpa_decode.plain(model) is model
+
+
+@pytest.mark.parametrize("batched", [False, True])
+def test_a_step_writes_its_cache_row_in_place_where_no_reader_saw_it_mocked_cuda(batched, mocked_kernel,
+                                                                               monkeypatch):
+    from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
+
+    model = tiny_model("qwen3")
+    prompt = mx.array([[3, 14, 15, 92, 65, 35, 89, 79]] * 2, dtype=mx.int32)
+    make = (lambda: [BatchKVCache([0, 0]) for _ in model.layers]) if batched else (lambda: make_prompt_cache(model))
+    stock_cache = make()
+    stock = decode_logits(model, stock_cache, prompt, steps=6)
+    sdpa_decode.install(model)
+    writes = []
+    monkeypatch.setattr(sdpa_decode, "write_rows", lambda *args: writes.append(args[-1]) or write_rows_on_cpu(*args))
+    cache = make()
+    ours = decode_logits(model, cache, prompt, steps=3)
+    assert writes == [9, 9, 10, 10]  # the first step's rows by mlx-lm's update (no buffer of ours yet), then in place
+    view = cache[0].keys[..., :11, :]  # a reader of every row so far
+    seen = view * 1
+    mx.eval(view, seen)
+    for layer in cache:
+        layer.trim(1)  # the next row is one the reader saw: mlx-lm's update, which copies
+    writes.clear()
+    logits = ours[-1]
+    for _ in range(3):
+        logits = model(mx.argmax(logits, axis=-1).astype(mx.int32), cache=cache)[:, -1:, :]
+    mx.eval(logits)
+    assert writes == [11, 11, 12, 12]  # row 10 by mlx-lm's update, then in place again
+    assert mx.array_equal(view, seen)  # the reader's rows untouched
+    assert (cache[0]._idx if batched else cache[0].offset) == 13
+    assert mx.array_equal(cache[0].keys[..., :10, :], stock_cache[0].keys[..., :10, :])  # rows before the trim
+    for a, b in zip(stock, ours):
+        assert mx.array_equal(a, b)
 
 
 def test_left_padding_of_a_batch_cache_becomes_the_kernels_starts_mocked_cuda(mocked_kernel):
@@ -242,14 +299,14 @@ def test_benchmark_greedy_check_passes_the_reference_and_catches_ignored_padding
     import attention
 
     calls = []
-    monkeypatch.setattr(sdpa_decode, "launch", reference_kernel(calls))
+    mock_attention(monkeypatch, calls)
     monkeypatch.setattr(qk_norm_rope.Prologue, "__call__",  # mlx-lm's ops in the prologue's place (no CUDA)
                         lambda self, module, q, k, offset: qk_norm_rope.reference(module, q, k, offset))
     good = attention.run_greedy(tmp_path, count=12)
     assert [row["identical"] and row["agrees"] for row in good] == [True, True]
     assert all(row["kernel_calls"] == 12 * 4 for row in good)  # every step of the tiny llama's 4 layers
 
-    monkeypatch.setattr(sdpa_decode, "launch", lambda q, k, v, scale, starts, locks: attention.mlx_attention(
+    monkeypatch.setattr(sdpa_decode, "launch", lambda q, k, v, scale, starts, locks, written: attention.mlx_attention(
         q, k, v, scale))  # attends to the padding too
     bad = attention.run_greedy(tmp_path, count=12)
     assert [row["agrees"] for row in bad] == [True, False]

@@ -162,7 +162,7 @@ def first_difference(ours: list[list[int]], theirs: list[list[int]], margins: li
     return found
 
 
-def fp32_launch(q, k, v, scale, starts, locks):
+def fp32_launch(q, k, v, scale, starts, locks, written=None):
     """The kernel's place taken by an fp32 attention (the greedy part's third opinion)."""
     return fp32_attention(q, k, v, scale, None if starts is None else starts.tolist()).astype(q.dtype)
 
@@ -370,8 +370,9 @@ def main() -> None:
     if args.reference and "time" in parts:
         raise SystemExit("attention.py: --reference checks the exact and greedy parts (it times nothing of ours)")
     if args.reference:  # MLX's attention, with the mask `starts` stands for, in the kernel's place
-        sdpa_decode.launch = lambda q, k, v, scale, starts, locks: mlx_attention(
+        sdpa_decode.launch = lambda q, k, v, scale, starts, locks, written=None: mlx_attention(
             q, k, v, scale, None if starts is None else starts.tolist())
+        sdpa_decode.append = lambda cache, k, v: (*cache.update_and_fetch(k, v), None)  # no in-place write
         qk_norm_rope.Prologue.__call__ = lambda self, module, q, k, offset: qk_norm_rope.reference(module, q, k, offset)
     result = {"command": " ".join(sys.argv), "hardware": hardware(), "reference": args.reference}
     for part in parts:

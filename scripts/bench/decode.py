@@ -67,7 +67,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 import mlx.core as mx  # noqa: E402
 
-from omlx_core.kernels import qmm_decode  # noqa: E402
+from omlx_core.kernels import qmm_decode, sdpa_decode  # noqa: E402
+
+IN_PLACE_APPEND = sdpa_decode.append
 from omlx_core.kernels.dequantize import dequantize as kernel_dequantize  # noqa: E402
 
 PARTS = ("exact", "greedy", "margins", "layers", "kernels", "model", "profile")
@@ -279,7 +281,7 @@ def run_greedy(matmul_name: str, workdir: Path, count: int = 64, quick: bool = F
         if matmul_name == "dense":
             layers = install_dense_copy(model, {"compute.dense_copy": "on"}, backend="cuda").layers
         else:
-            from omlx_core.kernels import decode_block, sdpa_decode
+            from omlx_core.kernels import decode_block
 
             paths = qmm_decode.install(model, formats=qmm_decode.ALL_FORMATS, min_tokens=1)
             sdpa_decode.install(model)  # and decode_block's compiled step with the residual adds, where they apply
@@ -796,17 +798,26 @@ def decode_step_seconds(model, cache, batch: int, steps: int, repeats: int) -> d
 # The model part's: kernel = grouped launches; kernel_attention = that and sdpa_decode's attention;
 # prologue = that and qk_norm_rope's prologue; residual = kernel_attention and decode_block's residual
 # adds in the output projections; fused = both.
-VARIANTS = ("stock", "kernel_ungrouped", "kernel", "kernel_attention", "prologue", "residual", "fused", "dense_copy")
+VARIANTS = ("stock", "kernel_ungrouped", "kernel", "kernel_attention", "prologue", "residual", "residual_copying",
+            "fused", "dense_copy")
+
+
+def copying_append(cache, keys, values):
+    """mlx-lm's cache update in place of sdpa_decode's in-place row (`residual_copying`: the
+    control that shows what the write in place saves)."""
+    return (*cache.update_and_fetch(keys, values), None)
 
 
 def install_variant(model, name: str) -> dict:
     """Put variant `name` of VARIANTS in place (restore() takes it out): what it reports."""
     from omlx_core.decode.dense_copy import install_dense_copy
 
+    if name == "residual_copying":
+        sdpa_decode.append, name = copying_append, "residual"  # restore() puts sdpa_decode's back
     if name == "kernel_ungrouped":
         qmm_decode.install(model, formats=qmm_decode.ALL_FORMATS, min_tokens=1, group=False)
     elif name in ("kernel", "kernel_attention", "prologue", "residual", "fused"):
-        from omlx_core.kernels import decode_block, qk_norm_rope, sdpa_decode
+        from omlx_core.kernels import decode_block, qk_norm_rope
 
         report = {"layers": len(qmm_decode.install(model, formats=qmm_decode.ALL_FORMATS, min_tokens=1))}
         if name != "kernel":
@@ -978,9 +989,10 @@ def run_profile(workdir: Path, tiny: bool, batches, timeout: float = 400) -> dic
 def restore(model) -> None:
     """Plain QuantizedLinears (same arrays), mlx-lm's attention and blocks back wherever
     a subclass was installed."""
-    from omlx_core.kernels import decode_block, sdpa_decode
+    from omlx_core.kernels import decode_block
     from omlx_core.prefill.split import replace_module
 
+    sdpa_decode.append = IN_PLACE_APPEND
     for path, module in list(model.named_modules()):
         for plain in (qmm_decode.plain, sdpa_decode.plain, decode_block.plain):
             if plain(module) is not module:

@@ -15,8 +15,10 @@ BatchKVCache as `omlx serve` does:
 
 for `stock` (mlx-lm's modules), `kernels` (qmm_decode's grouped launches and sdpa_decode
 installed: CUDA only, reported as skipped elsewhere), `prologue` (also qk_norm_rope's
-prologue), `residual` (kernels and decode_block's residual adds in the output
-projections) and `fused` (both), as decode.py's model part measures them
+prologue), `residual` (kernels and decode_block: the residual adds in the output
+projections, each layer's one-token step compiled around its attention),
+`residual_copying` (the same on mlx-lm's cache update, which copies the cache while the
+previous step runs) and `fused` (residual and prologue), as decode.py's model part measures them
 (`decode_step_seconds`) on this smaller model. For the last variant run:
 
   --python-profile   cProfile over pipelined steps: each Python function's own
@@ -40,7 +42,7 @@ import sys
 import time
 from pathlib import Path
 
-VARIANTS = ("stock", "kernels", "prologue", "residual", "fused")
+VARIANTS = ("stock", "kernels", "prologue", "residual", "residual_copying", "fused")
 
 
 def build_model(layers: int, hidden: int):

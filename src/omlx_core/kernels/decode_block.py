@@ -1,5 +1,5 @@
-"""A decoder layer's batched-decode step with fewer launches: the residual adds inside
-qmm_decode's output projections.
+"""A decoder layer's batched-decode step with fewer launches and less Python: the residual
+adds inside qmm_decode's output projections, and the step around the attention compiled.
 
 Why: a decode step pays the host (Python, then MLX's encoding) and the GPU (each kernel's
 ramp and tail) for every launch, and at 32 sequences the step is a few hundred small
@@ -11,14 +11,20 @@ same roundings as MLX's separate add. (The down projection computing swiglu itse
 it staged its input, was tried and measured: as fast at one token, twice as slow from 8,
 every CTA recomputing it for the whole input: docs/benchmarks/decode-h100-fused.json.)
 
-- `DecodeBlock`: mlx-lm's llama/qwen2/qwen3 `TransformerBlock` whose inputs of the
-  kernel's token counts take the residual forms (`DecodeQuantizedLinear.with_residual`;
+At one token per sequence the host, not the GPU, bounds a batched step on the H100 (the
+Python building it about as long as MLX encoding it, each about the GPU's time: the same
+profile). Everything in a layer but the cache update and the attention over it is the
+same graph every step, so it runs as two `mx.compile`'d functions (traced once per batch
+size, then replayed by MLX: no Python per operation, no kernel source built per launch);
+the cache update and the attention kernel run between them as DecodeAttention runs them.
+
+- `DecodeBlock`: mlx-lm's llama/qwen2/qwen3 `TransformerBlock` whose one-token steps (on
+  a DecodeAttention over a KVCache or BatchKVCache) run compiled, and whose other inputs
+  of the kernel's token counts take the residual forms (`DecodeQuantizedLinear.with_residual`;
   attention's through `DecodeAttention`'s `residual`); every other input runs mlx-lm's
   forward on this module.
 - `install(model)` replaces the blocks whose down projection is a DecodeQuantizedLinear
-  (a registered kernel of its own, after qmm_decode; exact on the H100 and the H200 but
-  slower for the batch-8 step on the H200, the host's share grown, cause not yet found
-  (docs/benchmarks/decode-h200-residual-prologue.json): not validated, so `auto` leaves it
+  (a registered kernel of its own, after qmm_decode; not validated, so `auto` leaves it
   off and `on` tries it); `plain(module)` undoes it.
 """
 

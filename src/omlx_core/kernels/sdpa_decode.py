@@ -86,7 +86,7 @@ def _kernel(dtype: mx.Dtype, dim: int, group: int):
     """One kernel per activation type, head size and group, its values written into its
     source: MLX formats template values into a kernel's source on every call."""
     return mx.fast.cuda_kernel(name=f"omlx_sdpa_decode_{str(dtype).split('.')[-1]}_{dim}_{group}",
-                               input_names=["q", "k", "v", "scale", "starts", "locks"],
+                               input_names=["q", "k", "v", "scale", "starts", "locks", "written"],
                                output_names=["out", "partial"], source=body(DTYPES[dtype], dim, group),
                                header=included_source(SOURCE), ensure_row_contiguous=False)
 
@@ -124,18 +124,80 @@ def decode_attention(q: mx.array, k: mx.array, v: mx.array, scale: float, starts
 
 
 def launch(q: mx.array, k: mx.array, v: mx.array, scale: float, starts: mx.array | None,
-           locks: mx.array) -> mx.array:
-    """The kernel's call for inputs `fusable` accepted."""
+           locks: mx.array, written: mx.array | None = None) -> mx.array:
+    """The kernel's call for inputs `fusable` accepted; `written`: `append`'s output when
+    it wrote k and v's last row in place (the kernel runs after that write)."""
     batch, heads, _, dim = q.shape
     kv_heads, keys = k.shape[1], k.shape[2]
     splits = splits_for(batch * kv_heads, keys)
     partial = splits * batch * heads * (dim + 2) if splits > 1 else 1  # one slice: unused
     starts = _no_padding(batch) if starts is None else starts.astype(mx.int32)
+    written = _no_padding(1) if written is None else written
     out, _ = _kernel(q.dtype, dim, heads // kv_heads)(
-        inputs=[q, k, v, _scale(float(scale)), starts, locks],
+        inputs=[q, k, v, _scale(float(scale)), starts, locks, written],
         grid=(batch * kv_heads * THREADS, splits, 1), threadgroup=(THREADS, 1, 1),
         output_shapes=[(batch, heads, 1, dim), (partial,)], output_dtypes=[q.dtype, mx.float32])
     return out
+
+
+APPEND_THREADS = 256
+
+
+@lru_cache(maxsize=None)
+def _append_kernel(dtype: mx.Dtype):
+    return mx.fast.cuda_kernel(
+        name=f"omlx_sdpa_append_{str(dtype).split('.')[-1]}",
+        input_names=["k_new", "v_new", "k_buf", "v_buf", "position"], output_names=["written"],
+        source=(f"omlx_sdpa::append<{DTYPES[dtype]}>(k_new, k_new_strides.data(), v_new, v_new_strides.data(), "
+                "k_buf, k_buf_strides.data(), v_buf, v_buf_strides.data(), k_new_shape[1], k_new_shape[3], "
+                "v_new_shape[3], position, written, "
+                "(int64_t)k_new_shape[0] * k_new_shape[1] * (k_new_shape[3] + v_new_shape[3]));"),
+        header=included_source(SOURCE), ensure_row_contiguous=False)
+
+
+def write_rows(k_buf: mx.array, v_buf: mx.array, keys: mx.array, values: mx.array, row: int) -> mx.array:
+    """Row `row` of k_buf and v_buf [B, Hkv, T, D] set to keys and values [B, Hkv, 1, D] in
+    place (no new array: MLX does not know the buffers changed); the output the reader of
+    that row must take as an input."""
+    total = keys.size + values.size
+    return _append_kernel(keys.dtype)(
+        inputs=[keys, values, k_buf, v_buf, qk_norm_rope.position(row)],
+        grid=(max(1, math.ceil(total / APPEND_THREADS)) * APPEND_THREADS, 1, 1), threadgroup=(APPEND_THREADS, 1, 1),
+        output_shapes=[(1,)], output_dtypes=[mx.int32])[0]
+
+
+def append(cache, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array, mx.array | None]:
+    """`cache.update_and_fetch(keys, values)` for one token per sequence on a CACHES cache,
+    the row written in place (`write_rows`) where the buffers are the cache's own and have
+    room; plus `write_rows`' output, or None where mlx-lm's update ran.
+
+    Why: mlx-lm's update is a slice update, which copies the whole buffer unless nothing
+    else holds it, and the previous step's attention holds it until the GPU has run it: a
+    pipelined step copied every layer's cache (scripts/bench/cache_update.py).
+    In place is safe for a row no reader has seen: the buffers are the ones mlx-lm's last
+    update made for this cache (its own: fresh, or a buffer nothing else held) and the row
+    is the one after that update's, so every view taken since ends before it. Anything
+    else (a first step, a full buffer, a trim, a filter or merge, another cache's arrays)
+    runs mlx-lm's update, which copies where it must."""
+    batched = type(cache).__name__ == "BatchKVCache"
+    row = cache._idx if batched else cache.offset
+    k_buf, v_buf = cache.keys, cache.values
+    owned = getattr(cache, "_omlx_rows", None)
+    if (owned is None or owned[0] is not k_buf or owned[1] is not v_buf or owned[2] != row
+            or row >= k_buf.shape[2] or k_buf.dtype != keys.dtype or v_buf.dtype != values.dtype
+            or k_buf.shape[:2] != keys.shape[:2] or k_buf.shape[3] != keys.shape[3]
+            or v_buf.shape[:2] != values.shape[:2] or v_buf.shape[3] != values.shape[3]):
+        k, v = cache.update_and_fetch(keys, values)
+        cache._omlx_rows = (cache.keys, cache.values, row + keys.shape[2])
+        return k, v, None
+    written = write_rows(k_buf, v_buf, keys, values, row)
+    if batched:
+        cache.offset = cache.offset + 1
+        cache._idx += 1
+    else:
+        cache.offset += 1
+    cache._omlx_rows = (k_buf, v_buf, row + 1)
+    return k_buf[..., :row + 1, :], v_buf[..., :row + 1, :], written
 
 
 # mlx-lm attention classes whose forward DecodeAttention.decode restates (one token, a cache).
@@ -196,16 +258,17 @@ class DecodeAttention(Restated):
         queries over it: from MIN_BATCH sequences the kernel (a BatchKVCache's mask, left
         padding and nothing causal at one token, becomes `starts`), else mlx-lm's."""
         batch = queries.shape[0]
-        keys, values = cache.update_and_fetch(keys, values)
         if batch < MIN_BATCH or fusable(queries, keys, values) is not None:  # as mlx-lm's module computes it
             from mlx_lm.models.base import scaled_dot_product_attention
 
+            keys, values = cache.update_and_fetch(keys, values)
             return scaled_dot_product_attention(queries, keys, values, cache=cache, scale=self.scale, mask=mask)
+        keys, values, written = append(cache, keys, values)  # fusable judged the rows as it judges the cache
         object.__setattr__(self, "kernel_calls", self.kernel_calls + 1)
         locks = self._locks.get(batch)
         if locks is None:
             locks = self._locks[batch] = mx.zeros((batch * self.n_kv_heads,), dtype=mx.int32)
-        return launch(queries, keys, values, self.scale, getattr(cache, "left_padding", None), locks)
+        return launch(queries, keys, values, self.scale, getattr(cache, "left_padding", None), locks, written)
 
     def output(self, attended: mx.array, residual: mx.array | None = None) -> mx.array:
         """The output projection of `attend`'s heads, plus `residual` if given: added in
@@ -267,7 +330,8 @@ def generated_source(dtype: str, dim: int, group: int) -> str:
         f"const {dtype}* q", "const __grid_constant__ Strides q_strides",
         f"const {dtype}* k", "const __grid_constant__ Shape k_shape", "const __grid_constant__ Strides k_strides",
         f"const {dtype}* v", "const __grid_constant__ Strides v_strides",
-        "const float* scale", "const int32_t* starts", "const int32_t* locks", f"{dtype}* out", "float* partial"))
+        "const float* scale", "const int32_t* starts", "const int32_t* locks", "const int32_t* written",
+        f"{dtype}* out", "float* partial"))
     return (STANDALONE_PRELUDE + included_source(SOURCE) + "namespace mlx::core::cu {\n\n"
             f"__global__ void custom_kernel_omlx_sdpa_decode(\n{params}) {{\n  " + body(dtype, dim, group)
             + "\n}\n\n} // namespace mlx::core::cu\n")
