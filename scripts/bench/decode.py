@@ -812,8 +812,8 @@ def install_variant(model, name: str) -> dict:
     """Put variant `name` of VARIANTS in place (restore() takes it out): what it reports."""
     from omlx_core.decode.dense_copy import install_dense_copy
 
-    if name == "residual_copying":
-        sdpa_decode.append, name = copying_append, "residual"  # restore() puts sdpa_decode's back
+    sdpa_decode.append = copying_append if name == "residual_copying" else IN_PLACE_APPEND  # restore() resets it
+    name = "residual" if name == "residual_copying" else name
     if name == "kernel_ungrouped":
         qmm_decode.install(model, formats=qmm_decode.ALL_FORMATS, min_tokens=1, group=False)
     elif name in ("kernel", "kernel_attention", "prologue", "residual", "fused"):
