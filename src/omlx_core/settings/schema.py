@@ -233,7 +233,8 @@ SETTINGS: tuple[Setting, ...] = (
     kernel_setting("dequantize", "the dense prefill path's dequantize, at HBM bandwidth"),
     kernel_setting("sdpa_decode", "attention at one token per sequence (decode), each K/V head read once"),
     kernel_setting("qk_norm_rope", "decode attention's q/k norms and RoPE in one launch (with sdpa_decode)"),
-    kernel_setting("decode_block", "a decoder layer's residual adds and swiglu inside qmm_decode's launches"),
+    kernel_setting("decode_block", "a decoder layer's one-token step compiled around its attention, the residual "
+                   "adds inside qmm_decode's launches"),
     Setting("compute.dense_copy", "choice", "auto",
             "Keep a dense copy of every quantized weight (charged to the memory guard): float32 for every "
             "input on MLX's CPU backend, the scales' dtype for decode-sized inputs (1..64 tokens) elsewhere; "
