@@ -10,9 +10,13 @@ the file's comment).
   one query token per sequence, k and v read in place (strided views included), each
   sequence's keys from `starts` on (a batch cache's left padding; the mask it stands for).
 - `fusable(q, k, v)`: why the kernel cannot compute these inputs, or None.
+- `append(cache, keys, values)`: the cache's update for one token per sequence, the row
+  written in place (a second kernel, `write_rows`) where no reader can have seen it: mlx-lm's
+  slice update copies the whole cache while the previous step still runs.
 - `DecodeAttention`: mlx-lm's llama/qwen2/qwen3 `Attention` whose one-token steps on a
-  KVCache or BatchKVCache run the kernel (its forward restated for that case; every other
-  call runs mlx-lm's module itself). `install(model)` replaces those modules by name.
+  KVCache or BatchKVCache run the kernel (its forward restated for that case, in three
+  steps: `project`, `attend`, `output`; every other call runs mlx-lm's module itself).
+  `install(model)` replaces those modules by name.
 
 Validated on the H200 for llama-architecture models (scripts/bench/attention.py: exact
 against MLX and fp32, greedy decode; decode.py and serve.py: the whole step and 32 streams),
@@ -132,7 +136,7 @@ def launch(q: mx.array, k: mx.array, v: mx.array, scale: float, starts: mx.array
     splits = splits_for(batch * kv_heads, keys)
     partial = splits * batch * heads * (dim + 2) if splits > 1 else 1  # one slice: unused
     starts = _no_padding(batch) if starts is None else starts.astype(mx.int32)
-    written = _no_padding(1) if written is None else written
+    written = _no_padding(1) if written is None else written  # nothing to wait for: any int32 stands in
     out, _ = _kernel(q.dtype, dim, heads // kv_heads)(
         inputs=[q, k, v, _scale(float(scale)), starts, locks, written],
         grid=(batch * kv_heads * THREADS, splits, 1), threadgroup=(THREADS, 1, 1),
