@@ -121,7 +121,7 @@ def reference_kernel(calls: list):
     return run
 
 
-def write_rows_on_cpu(k_buf, v_buf, keys, values, row, offset=None):
+def write_rows_on_cpu(k_buf, v_buf, keys, values, row):
     """A stand-in for the append kernel (mocked: no CUDA here) that writes in place as the
     kernel does, through numpy into MLX's CPU buffers (after what makes them has run)."""
     import numpy as np
@@ -135,7 +135,7 @@ def write_rows_on_cpu(k_buf, v_buf, keys, values, row, offset=None):
         else:
             bits = np.array(rows.astype(mx.float32)).view(np.uint32) >> 16  # bf16 -> fp32 -> bf16 is exact
         memory[:, :, row, :] = bits[:, :, 0, :].astype(np.uint16)
-    return mx.array([row + 1], dtype=mx.int32), None if offset is None else offset + 1
+    return mx.array([row + 1], dtype=mx.int32)
 
 
 def mock_attention(monkeypatch, calls: list) -> None:
@@ -210,7 +210,7 @@ def test_a_step_writes_its_cache_row_in_place_where_no_reader_saw_it_mocked_cuda
     stock = decode_logits(model, stock_cache, prompt, steps=6)
     sdpa_decode.install(model)
     writes = []
-    monkeypatch.setattr(sdpa_decode, "write_rows", lambda *args: writes.append(args[4]) or write_rows_on_cpu(*args))
+    monkeypatch.setattr(sdpa_decode, "write_rows", lambda *args: writes.append(args[-1]) or write_rows_on_cpu(*args))
     cache = make()
     ours = decode_logits(model, cache, prompt, steps=3)
     assert writes == [9, 9, 10, 10]  # the first step's rows by mlx-lm's update (no buffer of ours yet), then in place

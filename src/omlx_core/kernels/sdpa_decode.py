@@ -151,29 +151,23 @@ APPEND_THREADS = 256
 def _append_kernel(dtype: mx.Dtype):
     return mx.fast.cuda_kernel(
         name=f"omlx_sdpa_append_{str(dtype).split('.')[-1]}",
-        input_names=["k_new", "v_new", "k_buf", "v_buf", "position", "offset"],
-        output_names=["written", "next_offset"],
+        input_names=["k_new", "v_new", "k_buf", "v_buf", "position"], output_names=["written"],
         source=(f"omlx_sdpa::append<{DTYPES[dtype]}>(k_new, k_new_strides.data(), v_new, v_new_strides.data(), "
                 "k_buf, k_buf_strides.data(), v_buf, v_buf_strides.data(), k_new_shape[1], k_new_shape[3], "
                 "v_new_shape[3], position, written, "
-                "(int64_t)k_new_shape[0] * k_new_shape[1] * (k_new_shape[3] + v_new_shape[3]), "
-                "offset, next_offset, offset_shape[0]);"),
+                "(int64_t)k_new_shape[0] * k_new_shape[1] * (k_new_shape[3] + v_new_shape[3]));"),
         header=included_source(SOURCE), ensure_row_contiguous=False)
 
 
-def write_rows(k_buf: mx.array, v_buf: mx.array, keys: mx.array, values: mx.array, row: int,
-               offset: mx.array | None = None) -> tuple[mx.array, mx.array | None]:
+def write_rows(k_buf: mx.array, v_buf: mx.array, keys: mx.array, values: mx.array, row: int) -> mx.array:
     """Row `row` of k_buf and v_buf [B, Hkv, T, D] set to keys and values [B, Hkv, 1, D] in
-    place (no new array: MLX does not know the buffers changed). Returns the output the
-    reader of that row must take as an input, and `offset + 1` for a batch cache's int32
-    offsets (computed in the same launch), else None."""
+    place (no new array: MLX does not know the buffers changed); the output the reader of
+    that row must take as an input."""
     total = keys.size + values.size
-    steps = _no_padding(1) if offset is None else offset
-    written, following = _append_kernel(keys.dtype)(
-        inputs=[keys, values, k_buf, v_buf, qk_norm_rope.position(row), steps],
-        grid=(math.ceil(max(total, steps.size) / APPEND_THREADS) * APPEND_THREADS, 1, 1),
-        threadgroup=(APPEND_THREADS, 1, 1), output_shapes=[(1,), steps.shape], output_dtypes=[mx.int32, mx.int32])
-    return written, None if offset is None else following
+    return _append_kernel(keys.dtype)(
+        inputs=[keys, values, k_buf, v_buf, qk_norm_rope.position(row)],
+        grid=(max(1, math.ceil(total / APPEND_THREADS)) * APPEND_THREADS, 1, 1), threadgroup=(APPEND_THREADS, 1, 1),
+        output_shapes=[(1,)], output_dtypes=[mx.int32])[0]
 
 
 def append(cache, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array, mx.array | None]:
@@ -196,14 +190,13 @@ def append(cache, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array,
     if (owned is None or owned[0] is not k_buf or owned[1] is not v_buf or owned[2] != row
             or row >= k_buf.shape[2] or k_buf.dtype != keys.dtype or v_buf.dtype != values.dtype
             or k_buf.shape[:2] != keys.shape[:2] or k_buf.shape[3] != keys.shape[3]
-            or v_buf.shape[:2] != values.shape[:2] or v_buf.shape[3] != values.shape[3]
-            or (batched and (cache.offset.dtype != mx.int32 or cache.offset.ndim != 1))):
+            or v_buf.shape[:2] != values.shape[:2] or v_buf.shape[3] != values.shape[3]):
         k, v = cache.update_and_fetch(keys, values)
         cache._omlx_rows = (cache.keys, cache.values, row + keys.shape[2])
         return k, v, None
-    written, offset = write_rows(k_buf, v_buf, keys, values, row, cache.offset if batched else None)
+    written = write_rows(k_buf, v_buf, keys, values, row)
     if batched:
-        cache.offset = offset
+        cache.offset = cache.offset + 1
         cache._idx += 1
     else:
         cache.offset += 1
