@@ -55,7 +55,7 @@ def test_decode_blocks_decode_as_mlx_lm_does_mocked_cuda(arch, launches):
     assert kinds(launches[-12:]) == LAYER * 2 + [(1, False)] * 4
 
 
-def test_the_compiled_step_retraces_after_a_module_replacement_and_per_batch_size_mocked_cuda(launches):
+def test_the_compiled_step_replays_and_retraces_after_a_module_replacement_mocked_cuda(launches):
     model = tiny_model("qwen3")
     qmm_decode.install(model, formats=ALL_FORMATS)
     sdpa_decode.install(model)
