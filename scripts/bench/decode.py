@@ -28,12 +28,15 @@ barely helps; omlx's `qmm_decode` kernel (kernels/qmm_decode.cu) and the dense-c
            after a 1k-token context: stock, kernel, dense copy; each waited for (with its
            Python and MLX's encoding apart) and pipelined, as mlx-lm's generators run it;
            --variants picks what it times, --cache batch decodes on BatchKVCache as
-           `omlx serve` does (an array mask, so MLX's vector attention instead of cuDNN's)
+           `omlx serve` does (an array mask, so MLX's vector attention instead of cuDNN's),
+           --sdpa-min-batch 1 puts a single sequence on sdpa_decode's kernel too
   profile  the same step's GPU time by kernel family under Nsight Compute, stock and
            kernel: what the GPU spends against the wall clock
 
-    python scripts/bench/decode.py [--parts exact,greedy,margins,layers,kernels,model,profile] [--tokens 1,2,4,8,16,32,64]
-        [--batches 1,8,32] [--variants stock,kernel,...] [--cache plain|batch] [--matmul kernel|dense] [--quick] [--sweep] [--repeats 5] [--workdir DIR] [--save FILE] [--json]
+    python scripts/bench/decode.py [--parts exact,greedy,margins,layers,kernels,model,profile]
+        [--tokens 1,2,4,8,16,32,64] [--batches 1,8,32] [--variants stock,kernel,...] [--cache plain|batch]
+        [--sdpa-min-batch N] [--matmul kernel|dense] [--quick] [--sweep] [--repeats 5] [--workdir DIR]
+        [--save FILE] [--json]
 
 MLX compiles its CUDA quantized matmul for 8+ tokens at run time (CUTLASS, per shape and
 format: minutes for the whole matrix); `--quick` uses MLX's result only below 8 tokens
@@ -1067,6 +1070,9 @@ def main() -> None:
     parser.add_argument("--variants", default=",".join(VARIANTS), help="what the model part times")
     parser.add_argument("--cache", default="plain", choices=CACHES,
                         help="the model part's cache: plain (mlx-lm's KVCache) or batch (BatchKVCache, as omlx serve)")
+    parser.add_argument("--sdpa-min-batch", type=int, default=None,
+                        help="sequences from which sdpa_decode's kernel attends (default: its MIN_BATCH; 1 puts one "
+                             "sequence on it too: what its host cost does to a batch-1 step)")
     parser.add_argument("--save", default=None)
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--kernels-child", default=None, help=argparse.SUPPRESS)
@@ -1113,8 +1119,11 @@ def main() -> None:
             elif part == "kernels":
                 result["kernels"] = run_kernels(tokens, args.quick, args.sweep)
             elif part == "model":
+                if args.sdpa_min_batch is not None:
+                    sdpa_decode.MIN_BATCH = args.sdpa_min_batch
                 result["model"] = run_model(workdir, args.tiny, batches, repeats=args.repeats,
                                             variants=tuple(args.variants.split(",")), cache=args.cache)
+                result["model"]["sdpa_min_batch"] = sdpa_decode.MIN_BATCH
             elif part == "profile":
                 result["profile"] = run_profile(workdir, args.tiny, batches)
         except Exception as error:  # noqa: BLE001 - one failed part must not lose the others
