@@ -85,6 +85,18 @@ def test_kernel_compiles_for_sm90_without_spills(tmp_path, dtype, dim, group):
     assert registers * sdpa_decode.THREADS * sdpa_decode.CTAS_PER_SM <= sdpa_decode.REGISTERS
 
 
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
+@pytest.mark.parametrize("dtype", ["__nv_bfloat16", "__half"])
+def test_append_kernel_compiles_for_sm90_without_spills(tmp_path, dtype):
+    source = tmp_path / "k.cu"
+    source.write_text(sdpa_decode.append_generated_source(dtype))
+    done = subprocess.run(["nvcc", "-arch=sm_90a", "-cubin", "-Xptxas", "-v", "-o", str(tmp_path / "k.cubin"),
+                           str(source)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "custom_kernel_omlx_sdpa_append" in done.stderr  # the wrapper, not only the header, was compiled
+    assert int(re.search(r"(\d+) bytes spill stores", done.stderr).group(1)) == 0
+
+
 def test_benchmark_exactness_check_passes_mlx_and_fails_a_wrong_attention():
     sys.path.insert(0, str(BENCH))
     import attention

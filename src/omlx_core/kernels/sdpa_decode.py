@@ -147,16 +147,19 @@ def launch(q: mx.array, k: mx.array, v: mx.array, scale: float, starts: mx.array
 APPEND_THREADS = 256
 
 
+def append_body(cuda_type: str) -> str:
+    return (f"omlx_sdpa::append<{cuda_type}>(k_new, k_new_strides.data(), v_new, v_new_strides.data(), "
+            "k_buf, k_buf_strides.data(), v_buf, v_buf_strides.data(), k_new_shape[1], k_new_shape[3], "
+            "v_new_shape[3], position, written, "
+            "(int64_t)k_new_shape[0] * k_new_shape[1] * (k_new_shape[3] + v_new_shape[3]));")
+
+
 @lru_cache(maxsize=None)
 def _append_kernel(dtype: mx.Dtype):
     return mx.fast.cuda_kernel(
         name=f"omlx_sdpa_append_{str(dtype).split('.')[-1]}",
         input_names=["k_new", "v_new", "k_buf", "v_buf", "position"], output_names=["written"],
-        source=(f"omlx_sdpa::append<{DTYPES[dtype]}>(k_new, k_new_strides.data(), v_new, v_new_strides.data(), "
-                "k_buf, k_buf_strides.data(), v_buf, v_buf_strides.data(), k_new_shape[1], k_new_shape[3], "
-                "v_new_shape[3], position, written, "
-                "(int64_t)k_new_shape[0] * k_new_shape[1] * (k_new_shape[3] + v_new_shape[3]));"),
-        header=included_source(SOURCE), ensure_row_contiguous=False)
+        source=append_body(DTYPES[dtype]), header=included_source(SOURCE), ensure_row_contiguous=False)
 
 
 def write_rows(k_buf: mx.array, v_buf: mx.array, keys: mx.array, values: mx.array, row: int) -> mx.array:
@@ -336,6 +339,23 @@ def generated_source(dtype: str, dim: int, group: int) -> str:
         f"const {dtype}* v", "const __grid_constant__ Strides v_strides",
         "const float* scale", "const int32_t* starts", "const int32_t* locks", "const int32_t* written",
         f"{dtype}* out", "float* partial"))
+    return _unit("omlx_sdpa_decode", params, body(dtype, dim, group))
+
+
+def append_generated_source(dtype: str) -> str:
+    """`generated_source` for the append kernel (`write_rows`) of this CUDA type."""
+    params = ",\n".join(f"    {param}" for param in (
+        f"const {dtype}* k_new", "const __grid_constant__ Shape k_new_shape",
+        "const __grid_constant__ Strides k_new_strides",
+        f"const {dtype}* v_new", "const __grid_constant__ Shape v_new_shape",
+        "const __grid_constant__ Strides v_new_strides",
+        f"const {dtype}* k_buf", "const __grid_constant__ Strides k_buf_strides",
+        f"const {dtype}* v_buf", "const __grid_constant__ Strides v_buf_strides",
+        "const int32_t* position", "int32_t* written"))
+    return _unit("omlx_sdpa_append", params, append_body(dtype))
+
+
+def _unit(name: str, params: str, source: str) -> str:
     return (STANDALONE_PRELUDE + included_source(SOURCE) + "namespace mlx::core::cu {\n\n"
-            f"__global__ void custom_kernel_omlx_sdpa_decode(\n{params}) {{\n  " + body(dtype, dim, group)
+            f"__global__ void custom_kernel_{name}(\n{params}) {{\n  " + source
             + "\n}\n\n} // namespace mlx::core::cu\n")
