@@ -6,9 +6,9 @@ checked on the GPU machine by scripts/bench/decode.py (--parts exact: the residu
 
 import mlx.core as mx
 import pytest
-from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
+from mlx_lm.models.cache import make_prompt_cache
 from test_qmm_decode import quantized, reference_kernel
-from test_sdpa_decode import decode_logits, tiny_model
+from test_sdpa_decode import decode_logits, left_padded_logits, tiny_model
 from test_sdpa_decode import mock_attention
 
 from omlx_core.errors import OmlxError
@@ -86,13 +86,12 @@ def test_one_sequence_takes_the_compiled_step_on_mlx_lms_linears_mocked_cuda(lau
 
 
 def test_the_compiled_step_on_a_left_padded_batch_cache_mocked_cuda(launches):
-    model = tiny_model("qwen3")
-    prompt = mx.array([[3, 14, 15, 92, 65, 35], [0, 0, 0, 7, 11, 13]], dtype=mx.int32)  # left-padded by 3
-    stock = decode_logits(model, [BatchKVCache([0, 3]) for _ in model.layers], prompt)
-    qmm_decode.install(model, formats=ALL_FORMATS)
-    sdpa_decode.install(model)
-    decode_block.install(model)
-    ours = decode_logits(model, [BatchKVCache([0, 3]) for _ in model.layers], prompt)
+    def install(model):
+        qmm_decode.install(model, formats=ALL_FORMATS)
+        sdpa_decode.install(model)
+        decode_block.install(model)
+
+    stock, ours = left_padded_logits(tiny_model("qwen3"), install)
     assert kinds(launches[-12:]) == LAYER * 2 + [(1, False)] * 4
     for a, b in zip(stock, ours):
         assert mx.allclose(a, b, atol=1e-2, rtol=0)  # stock masks with -inf in bf16, the kernel drops the keys

@@ -244,14 +244,19 @@ def test_a_step_writes_its_cache_row_in_place_where_no_reader_saw_it_mocked_cuda
         assert mx.array_equal(a, b)
 
 
-def test_left_padding_of_a_batch_cache_becomes_the_kernels_starts_mocked_cuda(mocked_kernel):
+def left_padded_logits(model, install) -> tuple[list, list]:
+    """Decode logits on a batch cache whose second sequence is left-padded by 3: mlx-lm's,
+    then after `install(model)`."""
     from mlx_lm.models.cache import BatchKVCache
 
-    model = tiny_model("qwen3")
-    prompt = mx.array([[3, 14, 15, 92, 65, 35], [0, 0, 0, 7, 11, 13]], dtype=mx.int32)  # left-padded by 3
+    prompt = mx.array([[3, 14, 15, 92, 65, 35], [0, 0, 0, 7, 11, 13]], dtype=mx.int32)
     stock = decode_logits(model, [BatchKVCache([0, 3]) for _ in model.layers], prompt)
-    sdpa_decode.install(model)
-    ours = decode_logits(model, [BatchKVCache([0, 3]) for _ in model.layers], prompt)
+    install(model)
+    return stock, decode_logits(model, [BatchKVCache([0, 3]) for _ in model.layers], prompt)
+
+
+def test_left_padding_of_a_batch_cache_becomes_the_kernels_starts_mocked_cuda(mocked_kernel):
+    stock, ours = left_padded_logits(tiny_model("qwen3"), sdpa_decode.install)
     assert mocked_kernel and all(starts == [0, 3] for starts in mocked_kernel)
     for a, b in zip(stock, ours):
         assert mx.allclose(a, b, atol=1e-2, rtol=0)  # stock masks with -inf in bf16, ours drops the keys

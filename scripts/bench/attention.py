@@ -46,7 +46,7 @@ from pathlib import Path
 import mlx.core as mx
 
 # A sibling bench script: this directory is on the path when a script in it runs.
-from decode import L2_BYTES, ONE_GRAPH, bandwidth, chain_seconds, compare, hardware, log
+from decode import L2_BYTES, ONE_GRAPH, bandwidth, chain_seconds, compare, copying_append, hardware, log
 from omlx_core.kernels import qk_norm_rope, sdpa_decode
 
 # MLX reads its graph limits when it first uses the GPU, not at import: each chain is one graph.
@@ -372,7 +372,7 @@ def main() -> None:
     if args.reference:  # MLX's attention, with the mask `starts` stands for, in the kernel's place
         sdpa_decode.launch = lambda q, k, v, scale, starts, locks, written=None: mlx_attention(
             q, k, v, scale, None if starts is None else starts.tolist())
-        sdpa_decode.append = lambda cache, k, v: (*cache.update_and_fetch(k, v), None)  # no in-place write
+        sdpa_decode.append = copying_append  # mlx-lm's cache update: no in-place write on the CPU
         qk_norm_rope.Prologue.__call__ = lambda self, module, q, k, offset: qk_norm_rope.reference(module, q, k, offset)
     result = {"command": " ".join(sys.argv), "hardware": hardware(), "reference": args.reference}
     for part in parts:
