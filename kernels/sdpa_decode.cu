@@ -287,21 +287,25 @@ __device__ __forceinline__ void decode(
 // This step's key and value rows written into the cache's buffers in place, at row `pos`
 // of every (sequence, key/value head): k_new, v_new [B, Hkv, 1, D], k_buf, v_buf
 // [B, Hkv, T, D], any strides. `written` (one int32, pos + 1) is what the attention takes
-// as an input: the only edge ordering it after this write in MLX's graph.
+// as an input: the only edge ordering it after this write in MLX's graph. With them, a
+// batch cache's per-sequence offsets step on: next_offset[i] = offset[i] + 1 for `offsets`
+// of them (mlx-lm's `offset + 1`, which would be a launch of its own).
 //
 // Why in place: mlx-lm's cache writes a step's row with a slice update, which reuses the
 // buffer only when nothing else holds it; while the previous step still runs on the GPU
 // (mlx-lm's generators and `omlx serve` build and encode the next step meanwhile) its
 // attention holds the buffer, so every layer copied its whole cache each step. The
 // caller writes only rows no earlier reader saw (DecodeAttention's append).
-// Launch: one thread per element of k_new and v_new (and at least one).
+// Launch: one thread per element of k_new and v_new, and at least `offsets`.
 template <typename T>
 __device__ void append(const T* k_new, const int64_t* kn_strides, const T* v_new, const int64_t* vn_strides,
                        const T* k_buf, const int64_t* kb_strides, const T* v_buf, const int64_t* vb_strides,
-                       int heads, int k_dim, int v_dim, const int32_t* position, int32_t* written, int64_t total) {
+                       int heads, int k_dim, int v_dim, const int32_t* position, int32_t* written, int64_t total,
+                       const int32_t* offset, int32_t* next_offset, int offsets) {
   const int64_t i = (int64_t)blockIdx.x * blockDim.x + threadIdx.x;
   const int pos = position[0];
   if (i == 0) written[0] = pos + 1;
+  if (i < offsets) next_offset[i] = offset[i] + 1;
   const int64_t keys = total / (k_dim + v_dim) * k_dim;  // the first `keys` elements are k_new's
   if (i >= total) return;
   const bool value = i >= keys;

@@ -133,7 +133,7 @@ def reference_kernel(calls: list):
     return run
 
 
-def write_rows_on_cpu(k_buf, v_buf, keys, values, row):
+def write_rows_on_cpu(k_buf, v_buf, keys, values, row, offset=None):
     """A stand-in for the append kernel (mocked: no CUDA here) that writes in place as the
     kernel does, through numpy into MLX's CPU buffers (after what makes them has run)."""
     import numpy as np
@@ -147,7 +147,7 @@ def write_rows_on_cpu(k_buf, v_buf, keys, values, row):
         else:
             bits = np.array(rows.astype(mx.float32)).view(np.uint32) >> 16  # bf16 -> fp32 -> bf16 is exact
         memory[:, :, row, :] = bits[:, :, 0, :].astype(np.uint16)
-    return mx.array([row + 1], dtype=mx.int32)
+    return mx.array([row + 1], dtype=mx.int32), None if offset is None else offset + 1
 
 
 def mock_attention(monkeypatch, calls: list) -> None:
@@ -222,7 +222,7 @@ def test_a_step_writes_its_cache_row_in_place_where_no_reader_saw_it_mocked_cuda
     stock = decode_logits(model, stock_cache, prompt, steps=6)
     sdpa_decode.install(model)
     writes = []
-    monkeypatch.setattr(sdpa_decode, "write_rows", lambda *args: writes.append(args[-1]) or write_rows_on_cpu(*args))
+    monkeypatch.setattr(sdpa_decode, "write_rows", lambda *args: writes.append(args[4]) or write_rows_on_cpu(*args))
     cache = make()
     ours = decode_logits(model, cache, prompt, steps=3)
     assert writes == [9, 9, 10, 10]  # the first step's rows by mlx-lm's update (no buffer of ours yet), then in place
@@ -276,15 +276,17 @@ def test_attention_the_kernel_cannot_compute_runs_mlx_lms_path_mocked_cuda(mocke
         assert mx.array_equal(a, b)
 
 
-def test_one_sequence_stays_on_mlx_lms_attention_mocked_cuda(mocked_kernel):
+@pytest.mark.parametrize("min_batch", [1, 2])
+def test_sequences_below_min_batch_stay_on_mlx_lms_attention_mocked_cuda(min_batch, mocked_kernel, monkeypatch):
     from mlx_lm.models.cache import make_prompt_cache
 
+    monkeypatch.setattr(sdpa_decode, "MIN_BATCH", min_batch)
     model = tiny_model("llama")
     prompt = mx.array([[5, 6, 7, 8]], dtype=mx.int32)
     stock = decode_logits(model, make_prompt_cache(model), prompt)
     sdpa_decode.install(model)
     ours = decode_logits(model, make_prompt_cache(model), prompt)
-    assert mocked_kernel == []  # below MIN_BATCH: cuDNN's decode attention is the faster one
+    assert len(mocked_kernel) == (4 * 2 if min_batch == 1 else 0)  # each decode step of each layer
     for a, b in zip(stock, ours):
         assert mx.array_equal(a, b)
 

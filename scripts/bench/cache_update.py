@@ -51,7 +51,7 @@ def step_ms(method: str, pipelined: bool, batch: int, ctx: int, steps: int) -> f
                 k[..., i:i + 1, :] = new
                 v[..., i:i + 1, :] = new
             else:
-                written = sdpa_decode.write_rows(k, v, new, new, i)
+                written, _ = sdpa_decode.write_rows(k, v, new, new, i)
             keys, values = k[..., :i + 1, :], v[..., :i + 1, :]
             if cuda:  # the decode attention kernel: it reads the rows after the write
                 following = sdpa_decode.launch(q, keys, values, DIM ** -0.5, None, locks, written)

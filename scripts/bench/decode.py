@@ -29,7 +29,7 @@ barely helps; omlx's `qmm_decode` kernel (kernels/qmm_decode.cu) and the dense-c
            Python and MLX's encoding apart) and pipelined, as mlx-lm's generators run it;
            --variants picks what it times, --cache batch decodes on BatchKVCache as
            `omlx serve` does (an array mask, so MLX's vector attention instead of cuDNN's),
-           --sdpa-min-batch 1 puts a single sequence on sdpa_decode's kernel too
+           --sdpa-min-batch 2 keeps a single sequence on MLX's attention (the control)
   profile  the same step's GPU time by kernel family under Nsight Compute, stock and
            kernel: what the GPU spends against the wall clock
 
@@ -1071,8 +1071,8 @@ def main() -> None:
     parser.add_argument("--cache", default="plain", choices=CACHES,
                         help="the model part's cache: plain (mlx-lm's KVCache) or batch (BatchKVCache, as omlx serve)")
     parser.add_argument("--sdpa-min-batch", type=int, default=None,
-                        help="sequences from which sdpa_decode's kernel attends (default: its MIN_BATCH; 1 puts one "
-                             "sequence on it too: what its host cost does to a batch-1 step)")
+                        help="sequences from which sdpa_decode's kernel attends (default: its MIN_BATCH; 2 keeps one "
+                             "sequence on MLX's attention, the control of a batch-1 step)")
     parser.add_argument("--save", default=None)
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--kernels-child", default=None, help=argparse.SUPPRESS)

@@ -20,7 +20,7 @@ the file's comment).
 
 Validated on the H200 for llama-architecture models (scripts/bench/attention.py: exact
 against MLX and fp32, greedy decode; decode.py and serve.py: the whole step and 32 streams),
-so `auto` installs it there; one sequence at a time stays on MLX's attention (MIN_BATCH).
+so `auto` installs it there. One sequence takes it too (MIN_BATCH).
 Where the `qk_norm_rope` kernel is installed too, its one-token steps begin with that
 prologue (q/k norms and RoPE in one launch), and the output projection adds the layer's
 residual when decode_block's DecodeBlock asks (`residual`).
@@ -50,7 +50,10 @@ MIN_KEYS = 64  # fewest keys of a slice: below this a CTA's fixed cost outweighs
 MAX_SPLITS = 64  # most slices of one head (the kernel's combine holds their weights)
 REGISTERS = 65536  # an SM's 32-bit registers: CTAS_PER_SM CTAs of THREADS must fit them
 DTYPES = {mx.bfloat16: "__nv_bfloat16", mx.float16: "__half"}  # and their CUDA types
-MIN_BATCH = 2  # one sequence stays on MLX's attention: cuDNN's is faster there (docs/benchmarks/attention-h200.json)
+# Sequences from which the kernel attends. At one sequence MLX's attention kernel is the
+# faster alone (docs/benchmarks/attention-h200.json), but with its host cost and mlx-lm's
+# cache update the whole step is slower: docs/benchmarks/decode-h200-one-sequence.json.
+MIN_BATCH = 1
 
 
 def fusable(q: mx.array, k: mx.array, v: mx.array) -> str | None:
@@ -151,26 +154,32 @@ def append_body(cuda_type: str) -> str:
     return (f"omlx_sdpa::append<{cuda_type}>(k_new, k_new_strides.data(), v_new, v_new_strides.data(), "
             "k_buf, k_buf_strides.data(), v_buf, v_buf_strides.data(), k_new_shape[1], k_new_shape[3], "
             "v_new_shape[3], position, written, "
-            "(int64_t)k_new_shape[0] * k_new_shape[1] * (k_new_shape[3] + v_new_shape[3]));")
+            "(int64_t)k_new_shape[0] * k_new_shape[1] * (k_new_shape[3] + v_new_shape[3]), "
+            "offset, next_offset, offset_shape[0]);")
 
 
 @lru_cache(maxsize=None)
 def _append_kernel(dtype: mx.Dtype):
     return mx.fast.cuda_kernel(
         name=f"omlx_sdpa_append_{str(dtype).split('.')[-1]}",
-        input_names=["k_new", "v_new", "k_buf", "v_buf", "position"], output_names=["written"],
+        input_names=["k_new", "v_new", "k_buf", "v_buf", "position", "offset"],
+        output_names=["written", "next_offset"],
         source=append_body(DTYPES[dtype]), header=included_source(SOURCE), ensure_row_contiguous=False)
 
 
-def write_rows(k_buf: mx.array, v_buf: mx.array, keys: mx.array, values: mx.array, row: int) -> mx.array:
+def write_rows(k_buf: mx.array, v_buf: mx.array, keys: mx.array, values: mx.array, row: int,
+               offset: mx.array | None = None) -> tuple[mx.array, mx.array | None]:
     """Row `row` of k_buf and v_buf [B, Hkv, T, D] set to keys and values [B, Hkv, 1, D] in
-    place (no new array: MLX does not know the buffers changed); the output the reader of
-    that row must take as an input."""
+    place (no new array: MLX does not know the buffers changed). Returns the output the
+    reader of that row must take as an input, and `offset + 1` for a batch cache's int32
+    offsets (computed in the same launch), else None."""
     total = keys.size + values.size
-    return _append_kernel(keys.dtype)(
-        inputs=[keys, values, k_buf, v_buf, qk_norm_rope.position(row)],
-        grid=(max(1, math.ceil(total / APPEND_THREADS)) * APPEND_THREADS, 1, 1), threadgroup=(APPEND_THREADS, 1, 1),
-        output_shapes=[(1,)], output_dtypes=[mx.int32])[0]
+    steps = _no_padding(1) if offset is None else offset
+    written, following = _append_kernel(keys.dtype)(
+        inputs=[keys, values, k_buf, v_buf, qk_norm_rope.position(row), steps],
+        grid=(math.ceil(max(total, steps.size) / APPEND_THREADS) * APPEND_THREADS, 1, 1),
+        threadgroup=(APPEND_THREADS, 1, 1), output_shapes=[(1,), steps.shape], output_dtypes=[mx.int32, mx.int32])
+    return written, None if offset is None else following
 
 
 def append(cache, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array, mx.array | None]:
@@ -193,13 +202,14 @@ def append(cache, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array,
     if (owned is None or owned[0] is not k_buf or owned[1] is not v_buf or owned[2] != row
             or row >= k_buf.shape[2] or k_buf.dtype != keys.dtype or v_buf.dtype != values.dtype
             or k_buf.shape[:2] != keys.shape[:2] or k_buf.shape[3] != keys.shape[3]
-            or v_buf.shape[:2] != values.shape[:2] or v_buf.shape[3] != values.shape[3]):
+            or v_buf.shape[:2] != values.shape[:2] or v_buf.shape[3] != values.shape[3]
+            or (batched and (cache.offset.dtype != mx.int32 or cache.offset.ndim != 1))):
         k, v = cache.update_and_fetch(keys, values)
         cache._omlx_rows = (cache.keys, cache.values, row + keys.shape[2])
         return k, v, None
-    written = write_rows(k_buf, v_buf, keys, values, row)
+    written, offset = write_rows(k_buf, v_buf, keys, values, row, cache.offset if batched else None)
     if batched:
-        cache.offset = cache.offset + 1
+        cache.offset = offset
         cache._idx += 1
     else:
         cache.offset += 1
@@ -351,7 +361,8 @@ def append_generated_source(dtype: str) -> str:
         "const __grid_constant__ Strides v_new_strides",
         f"const {dtype}* k_buf", "const __grid_constant__ Strides k_buf_strides",
         f"const {dtype}* v_buf", "const __grid_constant__ Strides v_buf_strides",
-        "const int32_t* position", "int32_t* written"))
+        "const int32_t* position", "const int32_t* offset", "const __grid_constant__ Shape offset_shape",
+        "int32_t* written", "int32_t* next_offset"))
     return _unit("omlx_sdpa_append", params, append_body(dtype))
 
 
