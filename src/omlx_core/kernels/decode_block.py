@@ -77,19 +77,20 @@ class DecodeBlock(Restated):
             h = attention(normed, mask, cache, residual=x)
         else:
             h = x + attention(normed, mask, cache)
-        return self.after_attention(h)
+        return self.after_attention(h, down=down)
 
     def before_attention(self, x: mx.array, offset: mx.array) -> tuple[mx.array, mx.array, mx.array]:
         return self.self_attn.project(self.input_layernorm(x), offset)
 
-    def after_attention(self, h: mx.array, attended: mx.array | None = None) -> mx.array:
+    def after_attention(self, h: mx.array, attended: mx.array | None = None,
+                        down: DecodeQuantizedLinear | None = None) -> mx.array:
         """The layer's output from the residual stream `h` (its input, plus the attention
-        if `attended` is not given)."""
+        if `attended` is not given); `down`: the down projection where the caller has it."""
         if attended is not None:
             h = self.self_attn.output(attended, residual=h)
-        mlp = self.mlp
+        mlp, down = self.mlp, down if down is not None else down_projection(self)
         n = self.post_attention_layernorm(h)
-        return down_projection(self).with_residual(swiglu(mlp.gate_proj(n), mlp.up_proj(n)), h)
+        return down.with_residual(swiglu(mlp.gate_proj(n), mlp.up_proj(n)), h)
 
     def compiled_step(self, x: mx.array, mask, cache) -> mx.array:
         """One token per sequence: `before_attention` and `after_attention` as mx.compile'd
