@@ -129,8 +129,8 @@ def test_decode_attention_takes_the_prologue_launch_mocked_cuda(arch, launches, 
     decode_logits(model, cache, prompt, steps=1)
     assert launches[-1]["template"]["PER_SEQ"] is True  # a batch cache: a position per sequence
     before = len(launches)
-    one = decode_logits(model, make_prompt_cache(model), prompt[:1], steps=2)  # one sequence: MLX's attention
-    assert len(launches) == before + 2 * 2 and len(attention_calls) == 4 * 2 + 2
+    one = decode_logits(model, make_prompt_cache(model), prompt[:1], steps=2)  # one sequence: the kernel too
+    assert len(launches) == before + 2 * 2 and len(attention_calls) == 4 * 2 + 2 + 2 * 2
     assert all(o.shape == (1, 1, 97) for o in one)
 
 
