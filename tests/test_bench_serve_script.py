@@ -26,8 +26,9 @@ def test_omlx_against_omlx_with_other_settings(tiny_home):
                                   "omlx-baseline": {"OMLX_SERVER_PREFILL_BATCH": "2"}}
     ours = report["rounds"]["omlx"][0]
     # One prompt a prefill: two engine steps each (its prompt, then its first token), for the
-    # calibration request, the warm-up request and the three measured ones.
-    assert ours["engine_steps"]["prefill"]["steps"] == 2 * (1 + 1 + 3)
+    # calibration request, the warm-up's (as many as --concurrency by default) and the three measured ones.
+    assert report["workload"]["warmup"] == 2
+    assert ours["engine_steps"]["prefill"]["steps"] == 2 * (1 + 2 + 3)
     assert ours["engine_steps"]["decode"]["steps"] >= 1
     assert report["summary"]["omlx"]["completed"] == report["summary"]["omlx-baseline"]["completed"] == 3
 

@@ -16,8 +16,11 @@ answers 200 the workload runs through `omlx_core.bench.serving.run_serving` (the
 generator `omlx bench --url` uses), then the server is stopped (SIGTERM, SIGKILL after
 --stop-timeout) before the other one starts: never both at once, so neither competes for
 the cores. mlx_lm.server answers /health 200 before its model has loaded, so the warm-up
-(the calibration request plus --warmup requests at --concurrency, not counted: --warmup 32 at
-32 streams runs every batch size before the clock starts) also absorbs the load.
+(the calibration request plus --warmup requests at --concurrency, not counted) also absorbs
+the load. --warmup defaults to --concurrency, which runs every batch size before the clock
+starts: on CUDA a fresh server compiles kernels for each new shape, and a measured level
+that meets them first times those compiles (--warmup 1 at 32 streams on the H200: 1,027-1,620
+tok/s against 2,548 warm; docs/benchmarks/serve-h200-qwen3-8b-shape-32-streams-decode-block-cold.json).
 
 `--set KEY=VALUE` gives the omlx server a setting (through its `OMLX_<KEY>` environment
 variable, the layer above the settings files); `--against omlx` makes the baseline an omlx
@@ -357,8 +360,9 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=32, help="measured requests per server per round")
     parser.add_argument("--ctx", type=int, default=128, help="prompt tokens (default 128)")
     parser.add_argument("--gen", type=int, default=64, help="max_tokens per request (default 64)")
-    parser.add_argument("--warmup", type=int, default=1,
-                        help="uncounted requests before the measured ones (default 1)")
+    parser.add_argument("--warmup", type=int, default=None,
+                        help="uncounted requests before the measured ones (default --concurrency: every batch size "
+                             "warm; 1 or 0 for a cold server)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--endpoint", choices=("completions", "chat"), default="completions")
     parser.add_argument("--rounds", type=int, default=1, help="A/B rounds, order alternating (default 1)")
@@ -383,6 +387,8 @@ def main() -> None:
     for flag in ("concurrency", "requests", "ctx", "gen", "rounds"):
         if getattr(args, flag) < 1:
             parser.error(f"--{flag}: {getattr(args, flag)} is too small; use 1 or more")
+    if args.warmup is None:
+        args.warmup = args.concurrency
     if args.warmup < 0:
         parser.error(f"--warmup: {args.warmup} is too small; use 0 or more")
     if args.against_set and args.against != OMLX:
