@@ -20,7 +20,8 @@ the cores. mlx_lm.server answers /health 200 before its model has loaded, so the
 the load. --warmup defaults to --concurrency, which runs every batch size before the clock
 starts: on CUDA a fresh server compiles kernels for each new shape, and a measured level
 that meets them first times those compiles (--warmup 1 at 32 streams on the H200: 1,027-1,620
-tok/s against 2,548 warm; docs/benchmarks/serve-h200-qwen3-8b-shape-32-streams-decode-block-cold.json).
+tok/s, docs/benchmarks/serve-h200-qwen3-8b-shape-32-streams-decode-block-cold.json; an earlier
+warm run of the same workload: 2,548).
 
 `--set KEY=VALUE` gives the omlx server a setting (through its `OMLX_<KEY>` environment
 variable, the layer above the settings files); `--against omlx` makes the baseline an omlx
