@@ -50,9 +50,9 @@ MIN_KEYS = 64  # fewest keys of a slice: below this a CTA's fixed cost outweighs
 MAX_SPLITS = 64  # most slices of one head (the kernel's combine holds their weights)
 REGISTERS = 65536  # an SM's 32-bit registers: CTAS_PER_SM CTAs of THREADS must fit them
 DTYPES = {mx.bfloat16: "__nv_bfloat16", mx.float16: "__half"}  # and their CUDA types
-# Sequences from which the kernel attends. At one sequence MLX's attention kernel is the
-# faster alone (docs/benchmarks/attention-h200.json), but with its host cost and mlx-lm's
-# cache update the whole step is slower: docs/benchmarks/decode-h200-one-sequence.json.
+# Sequences from which the kernel attends. At one sequence MLX's attention kernel is faster
+# on its own (docs/benchmarks/attention-h200.json), but with its host cost and mlx-lm's
+# copying cache update the whole step is slower: docs/benchmarks/decode-h200-one-sequence.json.
 MIN_BATCH = 1
 
 
