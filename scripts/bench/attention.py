@@ -170,10 +170,10 @@ def fp32_launch(q, k, v, scale, starts, locks, written=None):
 def run_greedy(workdir: Path, count: int = 64) -> list[dict]:
     """Stock against installed, on a plain cache (two sequences) and a left-padded batch
     cache (the prompt, and the same prompt shifted by 4 tokens of padding), an fp16 tiny
-    llama (bf16 logits of a random model tie too often). They agree when the tokens are identical or first differ at a
-    near tie of the stock run, which rounding alone decides; where they differ, a third run
-    with an fp32 attention in the kernel's place shows whether exact attention sides with
-    either."""
+    llama (bf16 logits of a random model tie too often). They agree when the tokens are
+    identical or first differ at a near tie of the stock run, which rounding alone decides;
+    where they differ, a third run with an fp32 attention in the kernel's place shows
+    whether exact attention sides with either."""
     from mlx_lm.models.cache import BatchKVCache, make_prompt_cache
     from mlx_lm.utils import load
 

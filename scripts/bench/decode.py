@@ -71,10 +71,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 import mlx.core as mx  # noqa: E402
 
 from omlx_core.kernels import qmm_decode, sdpa_decode  # noqa: E402
-
-IN_PLACE_APPEND = sdpa_decode.append
 from omlx_core.kernels.dequantize import dequantize as kernel_dequantize  # noqa: E402
 
+IN_PLACE_APPEND = sdpa_decode.append  # what install_variant and restore put back after `residual_copying`
 PARTS = ("exact", "greedy", "margins", "layers", "kernels", "model", "profile")
 TOKENS = (1, 2, 4, 8, 16, 32, 64)
 LAYERS = ((4096, 4096), (4096, 12288), (12288, 4096))  # (in, out)
