@@ -72,3 +72,15 @@ def test_unknown_variant_is_refused_by_name():
     done = run("--variants", "stock,fast")
     assert done.returncode == 2
     assert "--variants: unknown fast" in done.stderr
+
+
+def test_primitives_count_the_steps_graph_by_name():
+    done = run("--variants", "stock", "--batch", "2", "--layers", "3", "--hidden", "128", "--ctx", "8",
+               "--steps", "2", "--primitives", "--json")
+    assert done.returncode == 0, done.stderr
+    counted = json.loads(done.stdout)["rows"][0]["primitives"]
+    by_name = counted["by_name"]
+    assert counted["total"] == sum(by_name.values())
+    assert list(by_name.values()) == sorted(by_name.values(), reverse=True)
+    # seven quantized projections a layer (q, k, v, o, gate, up, down) and the lm head
+    assert by_name["QuantizedMatmul"] == 7 * 3 + 1

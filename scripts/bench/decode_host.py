@@ -25,10 +25,12 @@ previous step runs) and `fused` (residual and prologue), as decode.py's model pa
                      microseconds a step (where `build` goes)
   --native-profile   py-spy --native attached to a warmed-up pipelined loop (MLX's C++
                      frames too: where `encode` goes), the frames that hold the host longest
+  --primitives       each variant's step graph counted by primitive (mx.export_to_dot): the
+                     nodes MLX encodes one by one, so encode / count is a node's host cost
 
     python scripts/bench/decode_host.py [--variants stock,kernels] [--batch 32] [--layers 36]
         [--hidden 1024] [--ctx 128] [--steps 32] [--python-profile] [--native-profile FILE]
-        [--seconds 10] [--json]
+        [--seconds 10] [--primitives] [--json]
 """
 
 import argparse
@@ -97,6 +99,26 @@ def host_times(model, batch: int, ctx: int, steps: int) -> dict:
     seconds = decode_step_seconds(model, prefilled(model, batch, ctx), batch, steps, repeats=3)
     seconds["wait"] = seconds.pop("sync") - seconds["build"] - seconds["encode"]
     return {f"{name}_ms": round(seconds[name] * 1e3, 3) for name in ("build", "encode", "wait", "pipelined")}
+
+
+def step_primitives(model, batch: int, ctx: int, warm_steps: int = 4) -> dict:
+    """One decode step's graph (built after `warm_steps` evaluated steps, never run) counted
+    by primitive: `total` nodes and the count of each primitive name, most first."""
+    import re
+    import tempfile
+
+    import mlx.core as mx
+    from decode import greedy_step
+
+    cache = prefilled(model, batch, ctx)
+    tokens = mx.zeros((batch, 1), dtype=mx.int32)
+    for _ in range(warm_steps):
+        tokens = greedy_step(model, cache, tokens)
+        mx.eval(tokens)
+    with tempfile.NamedTemporaryFile("r", suffix=".dot") as dot:
+        mx.export_to_dot(dot.name, greedy_step(model, cache, tokens))
+        names = collections.Counter(re.findall(r'label ="([^"]+)"', dot.read()))
+    return {"total": sum(names.values()), "by_name": dict(names.most_common())}
 
 
 def loop(model, batch: int, ctx: int, seconds: float, warm_steps: int = 8) -> int:
@@ -225,6 +247,7 @@ def main() -> None:
     parser.add_argument("--python-profile", action="store_true")
     parser.add_argument("--native-profile", default=None, metavar="FILE")
     parser.add_argument("--seconds", type=float, default=10.0)
+    parser.add_argument("--primitives", action="store_true", help="count each variant's step graph by primitive")
     parser.add_argument("--loop", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
@@ -247,6 +270,8 @@ def main() -> None:
             result["rows"].append({"variant": variant, "skipped": why})
             continue
         result["rows"].append({"variant": variant, **host_times(model, args.batch, args.ctx, args.steps)})
+        if args.primitives:
+            result["rows"][-1]["primitives"] = step_primitives(model, args.batch, args.ctx)
         if args.python_profile:
             result["python_profile"] = {"variant": variant,
                                         **python_profile(model, args.batch, args.ctx, args.steps)}
@@ -263,6 +288,9 @@ def main() -> None:
         else:
             print(f"{row['variant']:8} build {row['build_ms']:.2f} ms, encode {row['encode_ms']:.2f}, "
                   f"wait {row['wait_ms']:.2f}; pipelined {row['pipelined_ms']:.2f} ms a step")
+            if counted := row.get("primitives"):
+                print(f"         {counted['total']} primitives: " + ", ".join(
+                    f"{name} {n}" for name, n in list(counted["by_name"].items())[:12]))
     if profile := result.get("python_profile"):
         print(f"python profile of {profile['variant']} ({profile['step_us']:.0f} us a step in "
               f"{profile['steps']} steps; own time, with callees):")
