@@ -29,13 +29,14 @@ barely helps; omlx's `qmm_decode` kernel (kernels/qmm_decode.cu) and the dense-c
            Python and MLX's encoding apart) and pipelined, as mlx-lm's generators run it;
            --variants picks what it times, --cache batch decodes on BatchKVCache as
            `omlx serve` does (an array mask, so MLX's vector attention instead of cuDNN's),
-           --sdpa-min-batch 2 keeps a single sequence on MLX's attention (the control)
+           --sdpa-min-batch 2 keeps a single sequence on MLX's attention (the control),
+           --qmm-min-tokens 2 a single token on MLX's quantized matmul (qmm_decode's default)
   profile  the same step's GPU time by kernel family under Nsight Compute, stock and
            kernel: what the GPU spends against the wall clock
 
     python scripts/bench/decode.py [--parts exact,greedy,margins,layers,kernels,model,profile]
         [--tokens 1,2,4,8,16,32,64] [--batches 1,8,32] [--variants stock,kernel,...] [--cache plain|batch]
-        [--sdpa-min-batch N] [--matmul kernel|dense] [--quick] [--sweep] [--repeats 5] [--workdir DIR]
+        [--sdpa-min-batch N] [--qmm-min-tokens N] [--matmul kernel|dense] [--quick] [--sweep] [--repeats 5] [--workdir DIR]
         [--save FILE] [--json]
 
 MLX compiles its CUDA quantized matmul for 8+ tokens at run time (CUTLASS, per shape and
@@ -804,6 +805,9 @@ VARIANTS = ("stock", "kernel_ungrouped", "kernel", "kernel_attention", "prologue
             "fused", "dense_copy")
 
 
+QMM_MIN_TOKENS = 1  # the model part's kernel variants: tokens from which qmm_decode computes (--qmm-min-tokens)
+
+
 def copying_append(cache, keys, values):
     """mlx-lm's cache update in place of sdpa_decode's in-place row (`residual_copying`: the
     control that shows what the write in place saves)."""
@@ -817,11 +821,12 @@ def install_variant(model, name: str) -> dict:
     sdpa_decode.append = copying_append if name == "residual_copying" else IN_PLACE_APPEND  # restore() resets it
     name = "residual" if name == "residual_copying" else name
     if name == "kernel_ungrouped":
-        qmm_decode.install(model, formats=qmm_decode.ALL_FORMATS, min_tokens=1, group=False)
+        qmm_decode.install(model, formats=qmm_decode.ALL_FORMATS, min_tokens=QMM_MIN_TOKENS, group=False)
     elif name in ("kernel", "kernel_attention", "prologue", "residual", "fused"):
         from omlx_core.kernels import decode_block, qk_norm_rope
 
-        report = {"layers": len(qmm_decode.install(model, formats=qmm_decode.ALL_FORMATS, min_tokens=1))}
+        report = {"layers": len(qmm_decode.install(model, formats=qmm_decode.ALL_FORMATS,
+                                                   min_tokens=QMM_MIN_TOKENS))}
         if name != "kernel":
             sdpa_decode.install(model)
         if name in ("prologue", "fused"):
@@ -1055,6 +1060,7 @@ def summary(result: dict) -> None:
 
 
 def main() -> None:
+    global QMM_MIN_TOKENS  # --qmm-min-tokens sets it for the model part
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--parts", default=",".join(PARTS))
     parser.add_argument("--tokens", default=",".join(map(str, TOKENS)))
@@ -1072,6 +1078,9 @@ def main() -> None:
     parser.add_argument("--sdpa-min-batch", type=int, default=None,
                         help="sequences from which sdpa_decode's kernel attends (default: its MIN_BATCH; 2 keeps one "
                              "sequence on MLX's attention, the control of a batch-1 step)")
+    parser.add_argument("--qmm-min-tokens", type=int, default=None,
+                        help="tokens from which the model part's kernel variants run qmm_decode (default 1; "
+                             "2: MLX's qmv for one token, as qmm_decode's MIN_TOKENS)")
     parser.add_argument("--save", default=None)
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--kernels-child", default=None, help=argparse.SUPPRESS)
@@ -1120,9 +1129,12 @@ def main() -> None:
             elif part == "model":
                 if args.sdpa_min_batch is not None:
                     sdpa_decode.MIN_BATCH = args.sdpa_min_batch
+                if args.qmm_min_tokens is not None:
+                    QMM_MIN_TOKENS = args.qmm_min_tokens
                 result["model"] = run_model(workdir, args.tiny, batches, repeats=args.repeats,
                                             variants=tuple(args.variants.split(",")), cache=args.cache)
                 result["model"]["sdpa_min_batch"] = sdpa_decode.MIN_BATCH
+                result["model"]["qmm_min_tokens"] = QMM_MIN_TOKENS
             elif part == "profile":
                 result["profile"] = run_profile(workdir, args.tiny, batches)
         except Exception as error:  # noqa: BLE001 - one failed part must not lose the others
