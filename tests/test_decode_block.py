@@ -72,17 +72,30 @@ def test_the_compiled_step_replays_and_retraces_after_a_module_replacement_mocke
     assert kinds(launches[-3:]) == [(1, False)] * 3  # the prompt's head, each step's: the layers replayed
 
 
-def test_one_sequence_takes_the_compiled_step_on_mlx_lms_linears_mocked_cuda(launches):
+def test_one_sequence_takes_the_compiled_step_on_the_kernel_mocked_cuda(launches):
     model = tiny_model("llama")
     stock = decode_logits(model, make_prompt_cache(model), PROMPT[:1])
     qmm_decode.install(model, formats=ALL_FORMATS)
     sdpa_decode.install(model)
     decode_block.install(model)
     ours = decode_logits(model, make_prompt_cache(model), PROMPT[:1])  # a plain cache: its offset an int
-    assert all(c["x"].shape[1] == 8 for c in launches)  # the prompt's: no kernel at one token
     assert all(layer._compiled is not None for layer in model.layers)
+    # the first step traces both layers on the kernel at one token; the head stays on MLX's qmv
+    assert kinds([c for c in launches if c["x"].size // c["x"].shape[-1] == 1]) == LAYER * 2
     for a, b in zip(stock, ours):
         assert mx.array_equal(a, b)
+
+
+def test_blocks_lower_their_linears_to_one_token_and_plain_restores_them_mocked_cuda(launches):
+    model = tiny_model("qwen3")
+    qmm_decode.install(model, formats=ALL_FORMATS)
+    sdpa_decode.install(model)
+    decode_block.install(model)
+    linears = decode_block.decode_linears(model.layers[0])
+    assert len(linears) == 7 and {linear.min_tokens for linear in linears} == {1}
+    assert model.lm_head.min_tokens == qmm_decode.MIN_TOKENS  # outside the blocks: as installed
+    decode_block.plain(model.layers[0])
+    assert {linear.min_tokens for linear in linears} == {qmm_decode.MIN_TOKENS}
 
 
 def test_the_compiled_step_on_a_left_padded_batch_cache_mocked_cuda(launches):

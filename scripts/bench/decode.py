@@ -30,7 +30,7 @@ barely helps; omlx's `qmm_decode` kernel (kernels/qmm_decode.cu) and the dense-c
            --variants picks what it times, --cache batch decodes on BatchKVCache as
            `omlx serve` does (an array mask, so MLX's vector attention instead of cuDNN's),
            --sdpa-min-batch 2 keeps a single sequence on MLX's attention (the control),
-           --qmm-min-tokens 2 a single token on MLX's quantized matmul (qmm_decode's default)
+           --qmm-min-tokens 2 a single token on MLX's quantized matmul everywhere (the control)
   profile  the same step's GPU time by kernel family under Nsight Compute, stock and
            kernel: what the GPU spends against the wall clock
 
@@ -805,7 +805,9 @@ VARIANTS = ("stock", "kernel_ungrouped", "kernel", "kernel_attention", "prologue
             "fused", "dense_copy")
 
 
-QMM_MIN_TOKENS = 1  # the model part's kernel variants: tokens from which qmm_decode computes (--qmm-min-tokens)
+# The model part's kernel variants: tokens from which qmm_decode computes (--qmm-min-tokens;
+# above 1 it also undoes decode_block's lowering of its blocks' linears to one token).
+QMM_MIN_TOKENS = 1
 
 
 def copying_append(cache, keys, values):
@@ -833,6 +835,10 @@ def install_variant(model, name: str) -> dict:
             report["prologues"] = len(qk_norm_rope.install(model))
         if name in ("residual", "fused"):
             report["blocks"] = len(decode_block.install(model))
+            for _, module in model.named_modules():  # the control: decode_block's one-token lowering undone
+                if isinstance(module, decode_block.DecodeBlock):
+                    for linear in decode_block.decode_linears(module):
+                        linear.min_tokens = max(linear.min_tokens, QMM_MIN_TOKENS)
         return report
     elif name == "dense_copy":
         return {"extra_bytes": install_dense_copy(model, {"compute.dense_copy": "on"}, backend="cuda").extra_bytes}
@@ -1080,7 +1086,7 @@ def main() -> None:
                              "sequence on MLX's attention, the control of a batch-1 step)")
     parser.add_argument("--qmm-min-tokens", type=int, default=None,
                         help="tokens from which the model part's kernel variants run qmm_decode (default 1; "
-                             "2: MLX's qmv for one token, as qmm_decode's MIN_TOKENS)")
+                             "2: MLX's qmv for one token everywhere, decode_block's blocks too)")
     parser.add_argument("--save", default=None)
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--kernels-child", default=None, help=argparse.SUPPRESS)

@@ -22,7 +22,7 @@ the cache update and the attention kernel run between them as DecodeAttention ru
   a DecodeAttention over a KVCache or BatchKVCache) run compiled, and whose other inputs
   of the kernel's token counts take the residual forms (`DecodeQuantizedLinear.with_residual`;
   attention's through `DecodeAttention`'s `residual`); every other input runs mlx-lm's
-  forward on this module.
+  forward on this module. Its linears take qmm_decode's kernel from one token.
 - `install(model)` replaces the blocks whose down projection is a DecodeQuantizedLinear
   (a registered kernel of its own, after qmm_decode; not validated, so `auto` leaves it
   off and `on` tries it); `plain(module)` undoes it.
@@ -56,6 +56,11 @@ def down_projection(block) -> DecodeQuantizedLinear | None:
     return down if isinstance(down, DecodeQuantizedLinear) else None
 
 
+def decode_linears(block) -> list[DecodeQuantizedLinear]:
+    """The decode kernel's linears in the block (prefill wrappers looked through)."""
+    return [module for _, module in block.named_modules() if isinstance(module, DecodeQuantizedLinear)]
+
+
 class DecodeBlock(Restated):
     """mlx-lm's TransformerBlock of ARCHITECTURES, its decode-sized steps with the residual
     adds in the output projections, compiled around the attention where it is a
@@ -64,6 +69,15 @@ class DecodeBlock(Restated):
     def __init__(self, original):
         super().__init__(original)
         object.__setattr__(self, "_compiled", None)  # (split.generation, before, after)
+        # One token per sequence runs the compiled step, whose replay costs the host the same
+        # for qmm_decode's launches as for MLX's qmv, so its linears take the kernel from one
+        # token (faster on the GPU: docs/benchmarks/decode-h200-layers.json); `original()`
+        # gives them their own threshold back.
+        lowered = [(linear, linear.min_tokens) for linear in decode_linears(self)]
+        if isinstance(self.get("self_attn"), DecodeAttention):
+            for linear, _ in lowered:
+                linear.min_tokens = 1
+        object.__setattr__(self, "_lowered", lowered)
 
     def __call__(self, x: mx.array, mask=None, cache=None) -> mx.array:
         down = down_projection(self)  # looked up per call: a later install may replace it
@@ -91,6 +105,11 @@ class DecodeBlock(Restated):
         mlp, down = self.mlp, down if down is not None else down_projection(self)
         n = self.post_attention_layernorm(h)
         return down.with_residual(swiglu(mlp.gate_proj(n), mlp.up_proj(n)), h)
+
+    def original(self) -> nn.Module:
+        for linear, min_tokens in self._lowered:
+            linear.min_tokens = min_tokens
+        return super().original()
 
     def compiled_step(self, x: mx.array, mask, cache) -> mx.array:
         """One token per sequence: `before_attention` and `after_attention` as mx.compile'd
