@@ -36,8 +36,8 @@ barely helps; omlx's `qmm_decode` kernel (kernels/qmm_decode.cu) and the dense-c
 
     python scripts/bench/decode.py [--parts exact,greedy,margins,layers,kernels,model,profile]
         [--tokens 1,2,4,8,16,32,64] [--batches 1,8,32] [--variants stock,kernel,...] [--cache plain|batch]
-        [--sdpa-min-batch N] [--qmm-min-tokens N] [--matmul kernel|dense] [--quick] [--sweep] [--repeats 5] [--workdir DIR]
-        [--save FILE] [--json]
+        [--sdpa-min-batch N] [--qmm-min-tokens N] [--matmul kernel|dense] [--quick] [--sweep] [--repeats 5]
+        [--workdir DIR] [--save FILE] [--json]
 
 MLX compiles its CUDA quantized matmul for 8+ tokens at run time (CUTLASS, per shape and
 format: minutes for the whole matrix); `--quick` uses MLX's result only below 8 tokens
