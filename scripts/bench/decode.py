@@ -835,10 +835,8 @@ def install_variant(model, name: str) -> dict:
             report["prologues"] = len(qk_norm_rope.install(model))
         if name in ("residual", "fused"):
             report["blocks"] = len(decode_block.install(model))
-            for _, module in model.named_modules():  # the control: decode_block's one-token lowering undone
-                if isinstance(module, decode_block.DecodeBlock):
-                    for linear in decode_block.decode_linears(module):
-                        linear.min_tokens = max(linear.min_tokens, QMM_MIN_TOKENS)
+            for linear in decode_block.decode_linears(model):  # the control: the blocks' lowering undone
+                linear.min_tokens = QMM_MIN_TOKENS
         return report
     elif name == "dense_copy":
         return {"extra_bytes": install_dense_copy(model, {"compute.dense_copy": "on"}, backend="cuda").extra_bytes}

@@ -56,9 +56,9 @@ def down_projection(block) -> DecodeQuantizedLinear | None:
     return down if isinstance(down, DecodeQuantizedLinear) else None
 
 
-def decode_linears(block) -> list[DecodeQuantizedLinear]:
-    """The decode kernel's linears in the block (prefill wrappers looked through)."""
-    return [module for _, module in block.named_modules() if isinstance(module, DecodeQuantizedLinear)]
+def decode_linears(tree: nn.Module) -> list[DecodeQuantizedLinear]:
+    """The decode kernel's linears in a block or a model (prefill wrappers looked through)."""
+    return [module for _, module in tree.named_modules() if isinstance(module, DecodeQuantizedLinear)]
 
 
 class DecodeBlock(Restated):
@@ -73,11 +73,12 @@ class DecodeBlock(Restated):
         # for qmm_decode's launches as for MLX's qmv, so its linears take the kernel from one
         # token (faster on the GPU: docs/benchmarks/decode-h200-layers.json); `original()`
         # gives them their own threshold back.
-        lowered = [(linear, linear.min_tokens) for linear in decode_linears(self)]
+        lowered = []
         if isinstance(self.get("self_attn"), DecodeAttention):
+            lowered = [(linear, linear.min_tokens) for linear in decode_linears(self)]
             for linear, _ in lowered:
                 linear.min_tokens = 1
-        object.__setattr__(self, "_lowered", lowered)
+        object.__setattr__(self, "_lowered", lowered)  # (linear, its own threshold)
 
     def __call__(self, x: mx.array, mask=None, cache=None) -> mx.array:
         down = down_projection(self)  # looked up per call: a later install may replace it
