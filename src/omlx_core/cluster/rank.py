@@ -79,8 +79,8 @@ def serve_http(jobs: "queue.Queue[Job]", model: ShardedModel, host: str, port: i
     import uvicorn
     from fastapi import FastAPI
     from fastapi.responses import JSONResponse
-    from sse_starlette.sse import EventSourceResponse
 
+    from omlx_core.serve import sse
     from omlx_core.serve.errors import APIError
     from omlx_core.serve.protocol import ChatCompletionRequest, CompletionRequest
     from omlx_core.serve.prompts import chat_prompt, completion_prompt
@@ -125,8 +125,7 @@ def serve_http(jobs: "queue.Queue[Job]", model: ShardedModel, host: str, port: i
                     for text, finish in generate(job):
                         yield json.dumps({"id": ident, "object": obj, "created": created, "model": model.id,
                                           "choices": [choice(text, finish)]})
-                yield "[DONE]"
-            return EventSourceResponse(events())
+            return sse.iterated(events())
         with lock:
             parts, finish = [], "length"
             for text, finish in generate(job):

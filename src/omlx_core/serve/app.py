@@ -15,10 +15,10 @@ import uuid
 from fastapi import Depends, FastAPI, Request as HTTPRequest
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from sse_starlette.sse import EventSourceResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from omlx_core.memory.guard import MemoryRefused
+from omlx_core.serve import sse
 from omlx_core.serve.errors import APIError, bad_request, memory_refused, server_error, unauthorized, \
     unknown_model
 from omlx_core.serve.protocol import ChatCompletionRequest, CompletionRequest
@@ -139,30 +139,24 @@ def create_app(server) -> FastAPI:
                 return "".join(parts), event
 
     def stream(request: Request, chunk, include_usage: bool):
-        async def events():
-            try:
-                opening = chunk(None, None, first=True)
-                if opening is not None:
-                    yield {"data": opening}
-                while True:
-                    event = await request.events.get()
-                    if isinstance(event, Delta):
-                        yield {"data": chunk(event.text, None)}
-                    elif isinstance(event, Finished):
-                        if event.error is not None:
-                            yield {"data": _json(_finished_error(event).body())}
-                        else:
-                            yield {"data": chunk(None, _finish_reason(event))}
-                            if include_usage:
-                                yield {"data": chunk(None, None, usage=_usage(event))}
-                        yield {"data": "[DONE]"}
-                        return
-            finally:
-                if request.finished_at is None:
-                    request.cancel()
-                    server.engine.wake()
+        def render(event) -> tuple[bytes, bool]:
+            if isinstance(event, Delta):
+                return sse.frame(chunk(event.text, None)), False
+            if not isinstance(event, Finished):
+                return b"", False
+            if event.error is not None:
+                return sse.frame(_json(_finished_error(event).body())) + sse.DONE, True
+            usage = sse.frame(chunk(None, None, usage=_usage(event))) if include_usage else b""
+            return sse.frame(chunk(None, _finish_reason(event))) + usage + sse.DONE, True
 
-        return EventSourceResponse(events(), ping=15)
+        def closed() -> None:
+            if request.finished_at is None:  # the client went away: free its slot on the next step
+                request.cancel()
+                server.engine.wake()
+
+        opening = chunk(None, None, first=True)
+        return sse.response(request.events, render, first=b"" if opening is None else sse.frame(opening),
+                            on_close=closed)
 
     @app.post("/v1/chat/completions", dependencies=[Depends(authorize)])
     async def chat_completions(body: ChatCompletionRequest, http: HTTPRequest):
