@@ -13,7 +13,7 @@ through `omlx serve` there, 1.2-1.4x the tokens a second).
   comment every PING_S seconds (a stream waiting in the queue or a long prefill sends
   nothing else, and proxies close silent connections).
 - `iterated(items)`: the same for an iterator of data strings (a cluster rank's tokens),
-  iterated in a worker thread when it blocks.
+  iterated in a worker thread.
 - `frame(data)`: one `data:` event.
 """
 
@@ -48,11 +48,11 @@ def response(queue: asyncio.Queue, render: Callable[[object], tuple[bytes, bool]
                              media_type="text/event-stream", headers=HEADERS)
 
 
-def iterated(items: Iterable[str] | AsyncIterator[str], ping_s: float = PING_S) -> StreamingResponse:
-    """`response` over `items`' data strings, then [DONE]; a plain iterator runs in a worker thread."""
-    source = items if hasattr(items, "__aiter__") else iterate_in_threadpool(iter(items))
+def iterated(items: Iterable[str], ping_s: float = PING_S) -> StreamingResponse:
+    """`response` over `items`' data strings, then [DONE]; `items` is iterated in a worker thread
+    (it may block)."""
     return response(asyncio.Queue(), lambda item: (DONE, True) if item is _END else (frame(item), False),
-                    ping_s=ping_s, source=source)
+                    ping_s=ping_s, source=iterate_in_threadpool(iter(items)))
 
 
 async def _fill(queue: asyncio.Queue, source: AsyncIterator) -> None:
