@@ -5,8 +5,7 @@ whose Python shares the GIL with the engine thread that builds every decode step
 event's cost on the loop is taken from decoding. With sse-starlette's EventSourceResponse
 (an object per event, encoded, then a send each) on h11 and asyncio, the loop spent 70-88 us
 of CPU an event on the 2-core development machine; with these byte frames on httptools and
-uvloop, 41-58 (docs/benchmarks/serve-cpu-tiny-llama-sse.json: 32 streams of a tiny model
-through `omlx serve` there, 1.2-1.4x the tokens a second).
+uvloop, 41-58 (docs/benchmarks/serve-cpu-tiny-llama-sse.json).
 
 - `response(queue, render)`: a text/event-stream response of what `render` makes of each
   event of an asyncio queue, the events already queued written in one send, and a ping
