@@ -1,8 +1,8 @@
 """Server-sent events written as bytes: the streaming endpoints of `omlx serve` and a cluster rank.
 
 Why: at 32 streams `omlx serve` writes a few thousand events a second from its event loop,
-whose Python shares the GIL with the engine thread that builds every decode step, so each
-event's cost on the loop is taken from decoding. With sse-starlette's EventSourceResponse
+whose Python shares the GIL with the engine thread that builds every decode step: what the
+loop spends on an event can hold back the next step's build. With sse-starlette's EventSourceResponse
 (an object per event, encoded, then a send each) on h11 and asyncio, the loop spent 70-88 us
 of CPU an event on the 2-core development machine; with these byte frames on httptools and
 uvloop, 41-58 (docs/benchmarks/serve-cpu-tiny-llama-sse.json).
