@@ -3,7 +3,7 @@
 
 Why: at 32 streams `omlx serve` writes thousands of events a second from its event loop,
 whose Python shares the GIL with the engine thread that builds each decode step, so what
-an event costs the loop is taken from decoding. This serves the streaming endpoint's
+an event costs the loop can hold back the next step. This serves the streaming endpoint's
 events from a real uvicorn server in a child process, delivered as the engine delivers
 them (a thread hands the loop one event per stream per step, in one call), to `--streams`
 real HTTP clients, and reads the CPU time of the server's event loop thread alone (the
@@ -13,7 +13,7 @@ parsers and event loops installed here:
   omlx          omlx_core.serve.sse.response: byte frames, the queued events in one send
   sse-starlette EventSourceResponse of an async generator (omlx serve's before), when installed
 
-    python scripts/bench/sse.py [--streams 32] [--tokens 256] [--rounds 3] [--json]
+    python scripts/bench/sse.py [--streams 32] [--tokens 256] [--rounds 3] [--step-ms 2] [--json]
 """
 
 import argparse
