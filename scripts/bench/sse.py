@@ -21,18 +21,20 @@ import asyncio
 import importlib.util
 import json
 import os
-import socket
-import subprocess
 import sys
+import tempfile
 import threading
 import time
+from pathlib import Path
+
+from serve import Subprocess, free_port  # a sibling bench script: a server process and its /health wait
 
 DOCUMENT = {"id": "cmpl-0123456789abcdef01234567", "object": "text_completion", "created": 1765000000,
             "model": "dense-4bit", "choices": [{"index": 0, "text": " word", "logprobs": None,
                                                 "finish_reason": None}]}
 
 
-def serve(port: int, kind: str, http: str, loop: str, streams: int, tokens: int, step_s: float) -> None:
+def child_server(port: int, kind: str, http: str, loop: str, streams: int, tokens: int, step_s: float) -> None:
     """The child: an app whose POST /stream gets `tokens` events, each one token's JSON chunk,
     from a delivering thread that hands each step's events to the loop in one call, as the
     engine's Outbox does, once all `streams` requests of a round have arrived."""
@@ -57,6 +59,7 @@ def serve(port: int, kind: str, http: str, loop: str, streams: int, tokens: int,
                 round_[0][1].call_soon_threadsafe(lambda items=items: [q.put_nowait(e) for q, e in items])
 
     threading.Thread(target=deliver, daemon=True).start()
+    app.get("/health")(lambda: {"status": "ok"})
 
     def chunk(step) -> str:
         return json.dumps(DOCUMENT, separators=(",", ":"))
@@ -103,28 +106,21 @@ async def clients(port: int, streams: int) -> int:
 
 
 def measure(kind: str, http: str, loop: str, args) -> dict:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    child = subprocess.Popen([sys.executable, __file__, "--child", kind, http, loop, str(port),
-                              "--streams", str(args.streams), "--tokens", str(args.tokens)])
-    try:
-        deadline = time.time() + 60
-        while time.time() < deadline:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                break
-            except OSError:
-                time.sleep(0.2)
-        asyncio.run(clients(port, args.streams))  # warm-up round
-        per_event = []
-        for _ in range(args.rounds):
-            before = thread_cpu_s(child.pid)
-            events = asyncio.run(clients(port, args.streams))
-            per_event.append((thread_cpu_s(child.pid) - before) / events * 1e6)
-    finally:
-        child.kill()
-        child.wait()
+    port = free_port()
+    command = [sys.executable, __file__, "--child", kind, http, loop, str(port), "--streams", str(args.streams),
+               "--tokens", str(args.tokens), "--step-ms", str(args.step_ms)]
+    with tempfile.TemporaryDirectory() as logs:
+        child = Subprocess(f"{kind} on {http}/{loop}", command, port, Path(logs) / "server.log")
+        child.start(timeout_s=60)
+        try:
+            asyncio.run(clients(port, args.streams))  # warm-up round
+            per_event = []
+            for _ in range(args.rounds):
+                before = thread_cpu_s(child.proc.pid)
+                events = asyncio.run(clients(port, args.streams))
+                per_event.append((thread_cpu_s(child.proc.pid) - before) / events * 1e6)
+        finally:
+            child.stop(10)
     per_event.sort()
     return {"response": kind, "http": http, "loop": loop, "events_per_round": events,
             "loop_cpu_us_per_event": round(per_event[len(per_event) // 2], 1),
@@ -142,7 +138,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.child:
         kind, http, loop, port = args.child
-        return serve(int(port), kind, http, loop, args.streams, args.tokens, args.step_ms / 1e3)
+        return child_server(int(port), kind, http, loop, args.streams, args.tokens, args.step_ms / 1e3)
     installed = lambda name: importlib.util.find_spec(name) is not None  # noqa: E731
     kinds = ["omlx"] + (["sse-starlette"] if installed("sse_starlette") else [])
     stacks = [("h11", "asyncio")] + ([("httptools", "uvloop")] if installed("httptools") and installed("uvloop")

@@ -65,7 +65,6 @@ async def _fill(queue: asyncio.Queue, source: AsyncIterator) -> None:
 async def _frames(queue: asyncio.Queue, render, first: bytes, on_close, ping_s: float, source):
     loop = asyncio.get_running_loop()
     pump = None if source is None else asyncio.ensure_future(_fill(queue, source))
-    timer = None
 
     def ping() -> None:
         nonlocal timer
