@@ -15,15 +15,15 @@ from omlx_core.serve.scheduler import Scheduler
 PROMPTS = 4
 
 
-def prefill_steps(home, prefill_batch: int) -> float:
+def prefill_steps(home, prefill_batch: int, chunk_size: int = 2048, prompt_tokens: int = 4) -> float:
     """Engine steps that prefilled, for PROMPTS requests queued before the engine starts
     (so all are admitted in its first pass)."""
     guard = MemoryGuard(total_bytes=64 * 2**30)
     registry = ModelRegistry(home, [TINY], guard, cli_settings={
-        "server.prefill_batch": prefill_batch, "server.warmup": False})
+        "server.prefill_batch": prefill_batch, "prefill.chunk_size": chunk_size, "server.warmup": False})
     metrics = ServerMetrics()
     engine = Engine(registry, Scheduler(guard, max_running=PROMPTS, max_waiting=PROMPTS), guard, metrics)
-    requests = [Request(TINY, [5, 6, 7, 8 + i], max_tokens=2, temperature=0.0) for i in range(PROMPTS)]
+    requests = [Request(TINY, [5 + i] * prompt_tokens, max_tokens=2, temperature=0.0) for i in range(PROMPTS)]
     for request in requests:
         engine.submit(request)
     engine.start()
@@ -39,3 +39,9 @@ def prefill_steps(home, prefill_batch: int) -> float:
 def test_admitted_prompts_prefill_server_prefill_batch_at_a_time(tiny_home, prefill_batch, groups):
     # Each group of prompts takes two steps in mlx-lm's generator: its prompts, then its first tokens.
     assert prefill_steps(tiny_home, prefill_batch) == 2 * groups
+
+
+@pytest.mark.parametrize("chunk_size, groups", [(64, 1), (32, 2), (16, 4)])
+def test_a_prefill_step_holds_the_prompts_that_fit_prefill_chunk_size(tiny_home, chunk_size, groups):
+    # Four 12-token prompts: 4 x 12 = 48 tokens fit 64, two (24) fit 32, one fits 16.
+    assert prefill_steps(tiny_home, PROMPTS, chunk_size=chunk_size, prompt_tokens=12) == 2 * groups

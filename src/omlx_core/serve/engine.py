@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 from omlx_core.memory.guard import MemoryRefused
 from omlx_core.memory.kv import estimate_kv_bytes, worst_case_kv_bytes
+from omlx_core.serve.prefill_batching import PrefillBatching
 from omlx_core.serve.request import Delta, Finished, Outbox, Request, Started
 from omlx_core.serve.sampling import StopText, make_sampler
 
@@ -220,6 +221,7 @@ class Engine:
             if model.settings["server.warmup"]:
                 warm_up(generator, self.scheduler.max_running)
             model.generator = generator
+            model.prefill_batching = PrefillBatching(generator.prefill_batch_size)
             model.stop_sequences = StopSequences([[t] for t in model.tokenizer.eos_token_ids])
             model.no_stop = StopSequences(None)
         return model.generator
@@ -238,6 +240,7 @@ class Engine:
             [segments], max_tokens=[request.max_tokens], caches=[hit.cache],
             all_tokens=[prompt[:cached]], samplers=[self._sampler(request)],
             stop_sequences=[model.no_stop if request.ignore_eos else model.stop_sequences])
+        model.prefill_batching.inserted(uid, len(prompt) - cached)
         self._active.setdefault(model.id, {})[uid] = _Sequence(
             request, uid, model.tokenizer.detokenizer, StopText(request.stop), cached, store_at)
         if hit.cache is not None:
@@ -250,7 +253,9 @@ class Engine:
     def _step(self, model_id: str) -> None:
         model = self.registry.loaded[model_id]
         generator = model.generator
-        generator.prefill_step_size = self.guard.prefill_chunk_size(int(model.settings["prefill.chunk_size"]))
+        chunk = self.guard.prefill_chunk_size(int(model.settings["prefill.chunk_size"]))
+        generator.prefill_step_size = chunk
+        generator.prefill_batch_size = model.prefill_batching.batch_size(chunk, budget=chunk)
         started = time.perf_counter()
         try:
             prompt_responses, responses = generator.next()
@@ -259,6 +264,7 @@ class Engine:
             for sequence in list(self._active.get(model_id, {}).values()):
                 self._remove(model, sequence, "error", error=error)
             return
+        model.prefill_batching.stepped(prompt_responses)
         phase = "prefill" if prompt_responses else "decode"
         self.metrics.step.labels(model_id, phase).observe(time.perf_counter() - started)
         sequences = self._active[model_id]
@@ -330,6 +336,7 @@ class Engine:
 
     def _end(self, model, sequence: _Sequence, reason: str, error: Exception | None = None) -> None:
         self._active[model.id].pop(sequence.uid, None)
+        model.prefill_batching.removed([sequence.uid])
         self._finish(sequence.request, reason, error)
         self._update_gauges(model.id)
 

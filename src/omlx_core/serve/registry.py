@@ -36,6 +36,7 @@ class LoadedModel:
     generator: object = None  # mlx-lm BatchGenerator, made by the engine on first use
     stop_sequences: object = None  # EOS ids as mlx-lm StopSequences, made with it
     no_stop: object = None  # no EOS at all, for requests with ignore_eos
+    prefill_batching: object = None  # the generator's PrefillBatching, made with it
     dense_copy: object = None  # decode.dense_copy.DenseCopyReport
 
     @property

@@ -150,9 +150,9 @@ SETTINGS: tuple[Setting, ...] = (
             nullable=True, secret=True),
     Setting("server.max_concurrency", "int", 8, "Requests decoded together in one batch.", minimum=1),
     Setting("server.max_queue", "int", 64, "Requests waiting beyond the batch before 503.", minimum=0),
-    Setting("server.prefill_batch", "int", 8,
-            "Admitted prompts prefilled together in one engine step (at most max_concurrency): more "
-            "means fewer steps that hold the running streams, each longer.", minimum=1),
+    Setting("server.prefill_batch", "int", 32,
+            "Most admitted prompts prefilled together in one engine step (at most max_concurrency); "
+            "the step's prompts x longest chunk also stay within prefill.chunk_size tokens.", minimum=1),
     Setting("server.warmup", "bool", True,
             "Before serving, decode dummy batches of 1 sequence, of each decode-kernel launch shape and of "
             "max_concurrency, so the first requests do not wait for kernel compiles."),

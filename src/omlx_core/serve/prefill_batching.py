@@ -1,0 +1,53 @@
+"""How many admitted prompts join the next prefill step: as many as fit a token budget.
+
+mlx-lm's `BatchGenerator` prefills its prompt batch together, right-padded to the longest
+chunk, and takes up to `prefill_batch_size` waiting prompts into it. A fixed count is wrong
+both ways: eight 128-token prompts use a fraction of a step the GPU runs as fast as one of
+4,096 tokens, so 32 streams that arrive together wait four steps for their first token,
+while eight 2,048-token chunks make one step of 16k tokens that holds every running stream
+(and needs activations the memory guard never sized). Like vLLM's per-step token budget,
+this sizes the batch before each step so that (prompts in it) x (longest chunk) stays
+within the budget, the prefill chunk size the guard allows, with at least one prompt.
+"""
+
+from collections import OrderedDict
+
+
+class PrefillBatching:
+    """Tracks one generator's prompts, waiting and in its prompt batch, by tokens left."""
+
+    def __init__(self, cap: int):
+        self.cap = cap  # server.prefill_batch: at most this many prompts in one step
+        self._waiting: OrderedDict[int, int] = OrderedDict()  # uid -> prompt tokens, in insert order
+        self._prefilling: dict[int, int] = {}  # uid -> prompt tokens not yet prefilled
+
+    def inserted(self, uid: int, tokens: int) -> None:
+        self._waiting[uid] = tokens
+
+    def removed(self, uids) -> None:
+        for uid in uids:
+            self._waiting.pop(uid, None)
+            self._prefilling.pop(uid, None)
+
+    def stepped(self, prompt_responses) -> None:
+        """Follow mlx-lm's prompt responses: a prompt in them is in the prompt batch, with
+        `progress` = (tokens done, tokens in all); `end_of_prompt` moves it to generation."""
+        for response in prompt_responses:
+            self._waiting.pop(response.uid, None)
+            if response.end_of_prompt:
+                self._prefilling.pop(response.uid, None)
+            else:
+                done, total = response.progress
+                self._prefilling[response.uid] = total - done
+
+    def batch_size(self, chunk: int, budget: int) -> int:
+        """The `prefill_batch_size` for the next step: the prompt batch as it stands plus
+        the waiting prompts, in order, while (prompts) x (longest chunk) <= budget."""
+        count = len(self._prefilling)
+        width = max((min(left, chunk) for left in self._prefilling.values()), default=0)
+        for tokens in self._waiting.values():
+            wider = max(width, min(tokens, chunk))
+            if count >= self.cap or (count and (count + 1) * wider > budget):
+                break
+            count, width = count + 1, wider
+        return max(count, 1)
