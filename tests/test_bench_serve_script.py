@@ -30,6 +30,7 @@ def test_omlx_against_omlx_with_other_settings(tiny_home):
     assert report["workload"]["warmup"] == 2
     assert ours["engine_steps"]["prefill"]["steps"] == 2 * (1 + 2 + 3)
     assert ours["engine_steps"]["decode"]["steps"] >= 1
+    assert 0 <= ours["engine_steps"]["decode"]["slow"] < ours["engine_steps"]["decode"]["steps"]  # a tiny step is fast
     assert report["summary"]["omlx"]["completed"] == report["summary"]["omlx-baseline"]["completed"] == 3
 
 

@@ -149,8 +149,12 @@ def settings_env(pairs: list[str], flag: str) -> dict[str, str]:
     return env
 
 
+SLOW_STEP = "0.25"  # a histogram bucket of omlx_engine_step_seconds: steps above it are stalls (compiles)
+
+
 def engine_steps(url: str) -> dict:
-    """Steps and seconds by phase from an omlx server's /metrics (empty if it has none)."""
+    """Steps, seconds and steps over SLOW_STEP s by phase from an omlx server's /metrics
+    (empty if it has none)."""
     import httpx
 
     steps: dict = {}
@@ -159,11 +163,19 @@ def engine_steps(url: str) -> dict:
     except httpx.HTTPError:
         return steps
     for line in text.splitlines():
-        if line.startswith("omlx_engine_step_seconds_sum") or line.startswith("omlx_engine_step_seconds_count"):
-            series, value = line.rsplit(" ", 1)
-            phase = series.split('phase="', 1)[1].split('"', 1)[0]
-            kind = "seconds" if series.startswith("omlx_engine_step_seconds_sum") else "steps"
-            steps.setdefault(phase, {})[kind] = float(value)
+        if not line.startswith("omlx_engine_step_seconds_"):
+            continue
+        series, value = line.rsplit(" ", 1)
+        phase = series.split('phase="', 1)[1].split('"', 1)[0]
+        found = steps.setdefault(phase, {})
+        if series.startswith("omlx_engine_step_seconds_sum"):
+            found["seconds"] = float(value)
+        elif series.startswith("omlx_engine_step_seconds_count"):
+            found["steps"] = float(value)
+        elif f'le="{SLOW_STEP}"' in series:
+            found["fast"] = float(value)
+    for found in steps.values():
+        found["slow"] = found.get("steps", 0) - found.pop("fast", 0)
     return steps
 
 
@@ -347,7 +359,8 @@ def print_table(report: dict) -> None:
 
 def engine_line(name: str, steps: dict) -> str:
     """One omlx server's engine steps by phase (its last round, the warm-up included)."""
-    parts = [f"{int(s['steps'])} {phase} steps, {1000 * s.get('seconds', 0) / s['steps']:.1f} ms each"
+    parts = [f"{int(s['steps'])} {phase} steps, {1000 * s.get('seconds', 0) / s['steps']:.1f} ms each, "
+             f"{int(s['slow'])} over {float(SLOW_STEP) * 1000:.0f} ms"
              for phase, s in sorted(steps.items()) if s.get("steps")]
     return f"{name} engine (last round, warm-up included): " + "; ".join(parts)
 
