@@ -45,3 +45,14 @@ def test_admitted_prompts_prefill_server_prefill_batch_at_a_time(tiny_home, pref
 def test_a_prefill_step_holds_the_prompts_that_fit_prefill_chunk_size(tiny_home, chunk_size, groups):
     # Four 12-token prompts: 4 x 12 = 48 tokens fit 64, two (24) fit 32, one fits 16.
     assert prefill_steps(tiny_home, PROMPTS, chunk_size=chunk_size, prompt_tokens=12) == 2 * groups
+
+
+def test_a_slow_step_is_logged_with_its_shape(tiny_home, monkeypatch, caplog):
+    from omlx_core.serve import engine
+
+    monkeypatch.setattr(engine, "SLOW_STEP_S", 0.0)  # every step counts as slow
+    with caplog.at_level("INFO", logger="omlx.serve"):
+        prefill_steps(tiny_home, PROMPTS)
+    lines = [r.getMessage() for r in caplog.records if "a step took" in r.getMessage()]
+    assert any(f"0 sequences decoded, {PROMPTS} prompts prefilling" in line for line in lines), lines
+    assert any(f"{PROMPTS} sequences decoded, 0 prompts prefilling" in line for line in lines), lines

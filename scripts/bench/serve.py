@@ -71,7 +71,7 @@ def omlx_command(home: Path, model: str, port: int, concurrency: int) -> list[st
     script = Path(sys.executable).parent / "omlx"
     entry = [str(script)] if script.is_file() else \
         [sys.executable, "-c", "from omlx_cli.main import run; run()"]
-    return entry + ["--home", str(home), "serve", "--model", model, "--host", "127.0.0.1",
+    return entry + ["--home", str(home), "--log-level", "info", "serve", "--model", model, "--host", "127.0.0.1",
                     "--port", str(port), "--max-concurrency", str(concurrency)]
 
 

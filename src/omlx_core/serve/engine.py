@@ -34,6 +34,7 @@ log = logging.getLogger("omlx.serve")
 
 IDLE_WAIT_S = 0.05
 STATS_EVERY_STEPS = 16
+SLOW_STEP_S = 0.25  # a step this long holds every stream: logged (at info) with its shape
 
 
 WARMUP_PROMPT = [1, 2]  # token ids every vocabulary has
@@ -264,9 +265,13 @@ class Engine:
             for sequence in list(self._active.get(model_id, {}).values()):
                 self._remove(model, sequence, "error", error=error)
             return
+        seconds = time.perf_counter() - started
         model.prefill_batching.stepped(prompt_responses)
         phase = "prefill" if prompt_responses else "decode"
-        self.metrics.step.labels(model_id, phase).observe(time.perf_counter() - started)
+        self.metrics.step.labels(model_id, phase).observe(seconds)
+        if seconds > SLOW_STEP_S:
+            log.info("%s: a step took %.2f s (%d sequences decoded, %d prompts prefilling); the first step of "
+                     "a batch shape compiles its kernels", model_id, seconds, len(responses), len(prompt_responses))
         sequences = self._active[model_id]
         self._store_prefixes(model, sequences, prompt_responses)
         stopped = []
