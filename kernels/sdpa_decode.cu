@@ -25,8 +25,10 @@
 //
 // Left padding (a batch cache's `starts`) is never read: its rows may hold anything, NaN
 // included (a padded query row of a prefill attends to nothing), and 0 * NaN is NaN.
-// Inputs may be strided views (a KV cache's keys[..., :offset, :], read in place: copying
-// the cache to a contiguous array would cost more than the attention).
+// Inputs may be strided views, read in place (copying the cache to a contiguous array would
+// cost more than the attention); a cache's whole buffers are taken as they are, the kernel
+// attending over their first `keys` rows (a count the append kernel writes on the GPU, so no
+// view of the buffers is made per step: each would be a node of MLX's graph to encode).
 
 namespace omlx_sdpa {
 
@@ -94,7 +96,8 @@ __device__ __forceinline__ float weight(float s, float m) { return s == -INFINIT
 // Template parameters: T the activation type, D the head size (64 or 128), G query heads
 // per key/value head (1..8). Launch: 128 threads; gridDim.x = batch * key/value heads,
 // gridDim.y = the slices of the cache's length (at most MAX_SPLITS). q [B, Hq, 1, D], k and
-// v [B, Hkv, T, D] with any strides; out [B, Hq, 1, D] contiguous; sequence b's keys begin
+// v [B, Hkv, T, D] with any strides, of which rows 0 .. keys - 1 are attended over (keys <= T);
+// out [B, Hq, 1, D] contiguous; sequence b's keys begin
 // at starts[b] (a batch cache's left padding: 0 for none); with more than one slice `locks`
 // holds B * Hkv zeros (left zero) and `partial` has gridDim.y * B * Hq * (D + 2) floats.
 template <typename T, int D, int G>

@@ -127,8 +127,10 @@ def reference_kernel(calls: list):
     sys.path.insert(0, str(BENCH))
     import attention
 
-    def run(q, k, v, scale, starts, locks, written=None):
+    def run(q, k, v, scale, starts, locks, written=None, keys=None):
         calls.append(None if starts is None else starts.tolist())
+        if keys is not None:  # the kernel reads the first `keys` rows of the buffers
+            k, v = k[..., :keys, :], v[..., :keys, :]
         return attention.mlx_attention(q, k, v, scale, None if starts is None else starts.tolist())
     return run
 
@@ -325,8 +327,8 @@ def test_benchmark_greedy_check_passes_the_reference_and_catches_ignored_padding
     assert [row["identical"] and row["agrees"] for row in good] == [True, True]
     assert all(row["kernel_calls"] == 12 * 4 for row in good)  # every step of the tiny llama's 4 layers
 
-    monkeypatch.setattr(sdpa_decode, "launch", lambda q, k, v, scale, starts, locks, written: attention.mlx_attention(
-        q, k, v, scale))  # attends to the padding too
+    monkeypatch.setattr(sdpa_decode, "launch", lambda q, k, v, scale, starts, locks, written, keys: (
+        attention.mlx_attention(q, k[..., :keys, :], v[..., :keys, :], scale)))  # attends to the padding too
     bad = attention.run_greedy(tmp_path, count=12)
     assert [row["agrees"] for row in bad] == [True, False]
     assert bad[1]["differs"][0] is None and not bad[1]["differs"][1]["near_tie"]  # the padded sequence, clearly

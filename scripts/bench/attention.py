@@ -162,8 +162,10 @@ def first_difference(ours: list[list[int]], theirs: list[list[int]], margins: li
     return found
 
 
-def fp32_launch(q, k, v, scale, starts, locks, written=None):
-    """The kernel's place taken by an fp32 attention (the greedy part's third opinion)."""
+def fp32_launch(q, k, v, scale, starts, locks, written=None, keys=None):
+    """The kernel's place taken by an fp32 attention (the greedy part's third opinion), over
+    the first `keys` rows of k and v as the kernel reads them."""
+    k, v = (k, v) if keys is None else (k[..., :keys, :], v[..., :keys, :])
     return fp32_attention(q, k, v, scale, None if starts is None else starts.tolist()).astype(q.dtype)
 
 
@@ -369,8 +371,8 @@ def main() -> None:
     if args.reference and "time" in parts:
         raise SystemExit("attention.py: --reference checks the exact and greedy parts (it times nothing of ours)")
     if args.reference:  # MLX's attention, with the mask `starts` stands for, in the kernel's place
-        sdpa_decode.launch = lambda q, k, v, scale, starts, locks, written=None: mlx_attention(
-            q, k, v, scale, None if starts is None else starts.tolist())
+        sdpa_decode.launch = lambda q, k, v, scale, starts, locks, written=None, keys=None: mlx_attention(
+            q, k[..., :keys, :], v[..., :keys, :], scale, None if starts is None else starts.tolist())
         sdpa_decode.append = copying_append  # mlx-lm's cache update: no in-place write on the CPU
         qk_norm_rope.Prologue.__call__ = lambda self, module, q, k, offset: qk_norm_rope.reference(module, q, k, offset)
     result = {"command": " ".join(sys.argv), "hardware": hardware(), "reference": args.reference}

@@ -813,7 +813,8 @@ QMM_MIN_TOKENS = 1
 def copying_append(cache, keys, values):
     """mlx-lm's cache update in place of sdpa_decode's in-place row (`residual_copying`: the
     control that shows what the write in place saves)."""
-    return (*cache.update_and_fetch(keys, values), None)
+    k, v = cache.update_and_fetch(keys, values)
+    return k, v, None, k.shape[2]
 
 
 def install_variant(model, name: str) -> dict:

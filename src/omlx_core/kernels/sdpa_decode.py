@@ -85,7 +85,7 @@ def splits_for(pairs: int, keys: int) -> int:
 
 def body(cuda_type: str, dim: int, group: int) -> str:
     return (f"omlx_sdpa::decode<{cuda_type}, {dim}, {group}>(q, q_strides.data(), k, k_strides.data(), v, "
-            "v_strides.data(), scale[0], starts, locks, out, partial, k_shape[1], k_shape[2]);")
+            "v_strides.data(), scale[0], starts, locks, out, partial, k_shape[1], keys[0]);")
 
 
 @lru_cache(maxsize=None)
@@ -93,7 +93,7 @@ def _kernel(dtype: mx.Dtype, dim: int, group: int):
     """One kernel per activation type, head size and group, its values written into its
     source: MLX formats template values into a kernel's source on every call."""
     return mx.fast.cuda_kernel(name=f"omlx_sdpa_decode_{str(dtype).split('.')[-1]}_{dim}_{group}",
-                               input_names=["q", "k", "v", "scale", "starts", "locks", "written"],
+                               input_names=["q", "k", "v", "scale", "starts", "locks", "keys"],
                                output_names=["out", "partial"], source=body(DTYPES[dtype], dim, group),
                                header=included_source(SOURCE), ensure_row_contiguous=False)
 
@@ -131,17 +131,20 @@ def decode_attention(q: mx.array, k: mx.array, v: mx.array, scale: float, starts
 
 
 def launch(q: mx.array, k: mx.array, v: mx.array, scale: float, starts: mx.array | None,
-           locks: mx.array, written: mx.array | None = None) -> mx.array:
-    """The kernel's call for inputs `fusable` accepted; `written`: `append`'s output when
-    it wrote k and v's last row in place (the kernel runs after that write)."""
+           locks: mx.array, written: mx.array | None = None, keys: int | None = None) -> mx.array:
+    """The kernel's call for inputs `fusable` accepted, over the first `keys` rows of k and v
+    (all by default: the cache's buffers are read in place, no view of them made). `written`:
+    `append`'s output when it wrote row `keys - 1` in place (it holds `keys`, and orders the
+    kernel after that write)."""
     batch, heads, _, dim = q.shape
-    kv_heads, keys = k.shape[1], k.shape[2]
+    kv_heads = k.shape[1]
+    keys = k.shape[2] if keys is None else keys
     splits = splits_for(batch * kv_heads, keys)
     partial = splits * batch * heads * (dim + 2) if splits > 1 else 1  # one slice: unused
     starts = _no_padding(batch) if starts is None else starts.astype(mx.int32)
-    written = _no_padding(1) if written is None else written  # nothing to wait for: any int32 stands in
+    count = qk_norm_rope.position(keys) if written is None else written  # the key count, on the GPU
     out, _ = _kernel(q.dtype, dim, heads // kv_heads)(
-        inputs=[q, k, v, _scale(float(scale)), starts, locks, written],
+        inputs=[q, k, v, _scale(float(scale)), starts, locks, count],
         grid=(batch * kv_heads * THREADS, splits, 1), threadgroup=(THREADS, 1, 1),
         output_shapes=[(batch, heads, 1, dim), (partial,)], output_dtypes=[q.dtype, mx.float32])
     return out
@@ -182,10 +185,11 @@ def write_rows(k_buf: mx.array, v_buf: mx.array, keys: mx.array, values: mx.arra
     return written, None if offset is None else following
 
 
-def append(cache, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array, mx.array | None]:
-    """`cache.update_and_fetch(keys, values)` for one token per sequence on a CACHES cache,
-    the row written in place (`write_rows`) where the buffers are the cache's own and have
-    room; plus `write_rows`' output, or None where mlx-lm's update ran.
+def append(cache, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array, mx.array | None, int]:
+    """The cache updated with one token per sequence on a CACHES cache, the row written in
+    place (`write_rows`) where the buffers are the cache's own and have room: the buffers,
+    `write_rows`' output and the rows they hold now (`launch`'s inputs); where mlx-lm's
+    update ran, what `cache.update_and_fetch(keys, values)` gave, None and their length.
 
     Why: mlx-lm's update is a slice update, which copies the whole buffer unless nothing
     else holds it, and the previous step's attention holds it until the GPU has run it: a
@@ -206,7 +210,7 @@ def append(cache, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array,
             or (batched and (cache.offset.dtype != mx.int32 or cache.offset.ndim != 1))):
         k, v = cache.update_and_fetch(keys, values)
         cache._omlx_rows = (cache.keys, cache.values, row + keys.shape[2])
-        return k, v, None
+        return k, v, None, k.shape[2]
     written, offset = write_rows(k_buf, v_buf, keys, values, row, cache.offset if batched else None)
     if batched:
         cache.offset = offset
@@ -214,7 +218,7 @@ def append(cache, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array,
     else:
         cache.offset += 1
     cache._omlx_rows = (k_buf, v_buf, row + 1)
-    return k_buf[..., :row + 1, :], v_buf[..., :row + 1, :], written
+    return k_buf, v_buf, written, row + 1
 
 
 # mlx-lm attention classes whose forward DecodeAttention.decode restates (one token, a cache).
@@ -280,12 +284,12 @@ class DecodeAttention(Restated):
 
             keys, values = cache.update_and_fetch(keys, values)
             return scaled_dot_product_attention(queries, keys, values, cache=cache, scale=self.scale, mask=mask)
-        keys, values, written = append(cache, keys, values)  # fusable judged the rows as it judges the cache
+        keys, values, written, rows = append(cache, keys, values)  # fusable judged the rows as it judges the cache
         object.__setattr__(self, "kernel_calls", self.kernel_calls + 1)
         locks = self._locks.get(batch)
         if locks is None:
             locks = self._locks[batch] = mx.zeros((batch * self.n_kv_heads,), dtype=mx.int32)
-        return launch(queries, keys, values, self.scale, getattr(cache, "left_padding", None), locks, written)
+        return launch(queries, keys, values, self.scale, getattr(cache, "left_padding", None), locks, written, rows)
 
     def output(self, attended: mx.array, residual: mx.array | None = None) -> mx.array:
         """The output projection of `attend`'s heads, plus `residual` if given: added in
@@ -347,7 +351,7 @@ def generated_source(dtype: str, dim: int, group: int) -> str:
         f"const {dtype}* q", "const __grid_constant__ Strides q_strides",
         f"const {dtype}* k", "const __grid_constant__ Shape k_shape", "const __grid_constant__ Strides k_strides",
         f"const {dtype}* v", "const __grid_constant__ Strides v_strides",
-        "const float* scale", "const int32_t* starts", "const int32_t* locks", "const int32_t* written",
+        "const float* scale", "const int32_t* starts", "const int32_t* locks", "const int32_t* keys",
         f"{dtype}* out", "float* partial"))
     return _unit("omlx_sdpa_decode", params, body(dtype, dim, group))
 
