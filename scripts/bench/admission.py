@@ -1,0 +1,138 @@
+#!/usr/bin/env python
+"""The cost of admitting prompts into `omlx serve`'s batch: one prefill forward of B prompts,
+and the engine steps that admit N new prompts beside M running sequences.
+
+Why: every running stream waits for a step that prefills admissions, so at 32 streams the
+prefill steps are a large share of the wall time (docs/benchmarks/
+serve-h100-qwen3-8b-shape-32-streams-prefill-batching.json). This splits that cost into a
+forward's fixed part and its part per prompt, which is what sizes a prefill step's batch.
+
+How: the model is loaded as `omlx serve` loads it (its settings, kernels and fast paths,
+`OMLX_*` variables included). `forward BxL`: ms of one prefill forward of B prompts of L
+random tokens on a fresh cache, waited for, --repeats times (the first compiles). Admission
+trials: a mlx-lm `BatchGenerator` (as the engine makes it) decodes --running sequences, then
+--new prompts of L-8..L+7 tokens are inserted and each step until they all generate is
+timed: (ms, prompt responses, generation responses). `--no-clear-cache` makes the MLX
+`clear_cache` that mlx-lm calls after each prompt chunk a no-op, to see what it costs.
+
+    python scripts/bench/admission.py --model PATH [--home DIR] [--batches 1,8,16,32]
+        [--tokens 128] [--running 16] [--new 16] [--trials 3] [--no-clear-cache] [--json]
+"""
+
+import argparse
+import json
+import random
+import time
+from pathlib import Path
+
+
+def timed_ms(function) -> tuple[float, object]:
+    import mlx.core as mx
+
+    mx.synchronize()
+    start = time.perf_counter()
+    result = function()
+    mx.synchronize()
+    return (time.perf_counter() - start) * 1000, result
+
+
+def load(home: str | None, model: str):
+    from omlx_core.home import resolve_home
+    from omlx_core.memory.guard import MemoryGuard
+    from omlx_core.serve.registry import ModelRegistry
+
+    registry = ModelRegistry(resolve_home(home), [model], MemoryGuard())
+    return registry.get(registry.default_id).model
+
+
+def forwards(model, batches: list[int], tokens: int, repeats: int, rng: random.Random) -> list[dict]:
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    vocab = model.args.vocab_size
+    rows = []
+    for batch in batches:
+        prompt = mx.array([[rng.randrange(1, vocab) for _ in range(tokens)] for _ in range(batch)])
+        times = []
+        for _ in range(repeats):
+            cache = make_prompt_cache(model)
+            ms, _ = timed_ms(lambda: mx.eval(model(prompt, cache=cache)[:, -1]))
+            times.append(round(ms, 1))
+        rows.append({"batch": batch, "tokens": tokens, "ms": times})
+    return rows
+
+
+def admissions(model, running: int, new: int, tokens: int, trials: int, rng: random.Random) -> list[dict]:
+    from mlx_lm.generate import BatchGenerator
+
+    vocab = model.args.vocab_size
+    generator = BatchGenerator(model, completion_batch_size=running + new, prefill_batch_size=running + new)
+    rows = []
+    try:
+        for _ in range(trials):
+            prompts = [[rng.randrange(1, vocab) for _ in range(tokens + rng.randrange(-8, 8))]
+                       for _ in range(running + new)]
+            generator.prefill_batch_size = running
+            old = set(generator.insert(prompts[:running], max_tokens=[10_000] * running))
+            while len(generator.next()[1]) < running:
+                pass
+            decode_ms, _ = timed_ms(generator.next)
+            generator.prefill_batch_size = new
+            fresh = set(generator.insert(prompts[running:], max_tokens=[4] * new))
+            steps = []
+            while True:
+                ms, (prompt_responses, responses) = timed_ms(generator.next)
+                steps.append([round(ms, 1), len(prompt_responses), len(responses)])
+                if sum(r.uid in fresh for r in responses) == new:
+                    break
+            generator.remove(list(old | fresh))
+            rows.append({"decode_ms": round(decode_ms, 1), "steps": steps})
+    finally:
+        generator.close()
+    return rows
+
+
+def run(args) -> dict:
+    import mlx.core as mx
+
+    model = load(args.home, args.model)
+    rng = random.Random(args.seed)
+    clear_cache = mx.clear_cache
+    report = {"command": "scripts/bench/admission.py", "model": args.model,
+              "device": str(mx.default_device()), "clear_cache": not args.no_clear_cache,
+              "forward": forwards(model, [int(b) for b in args.batches.split(",")], args.tokens, args.repeats, rng)}
+    if args.no_clear_cache:
+        mx.clear_cache = lambda: None
+    try:
+        report["admission"] = admissions(model, args.running, args.new, args.tokens, args.trials, rng)
+    finally:
+        mx.clear_cache = clear_cache
+    return report
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", required=True, help="a path or a name under $OMLX_HOME/models")
+    parser.add_argument("--home", default=None, help="omlx home (default: $OMLX_HOME or ~/.omlx)")
+    parser.add_argument("--batches", default="1,8,16,32", help="prompts per timed forward")
+    parser.add_argument("--tokens", type=int, default=128, help="prompt tokens (admission: +-8)")
+    parser.add_argument("--repeats", type=int, default=4)
+    parser.add_argument("--running", type=int, default=16, help="sequences decoding before the admission")
+    parser.add_argument("--new", type=int, default=16, help="prompts admitted together")
+    parser.add_argument("--trials", type=int, default=3)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--no-clear-cache", action="store_true", help="mlx-lm's clear_cache a no-op")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    report = run(args)
+    if args.json:
+        print(json.dumps(report, indent=1))
+        return
+    for row in report["forward"]:
+        print(f"forward {row['batch']}x{row['tokens']}: {row['ms']} ms")
+    for row in report["admission"]:
+        print(f"admission: decode {row['decode_ms']} ms before; steps (ms, prompts, generating) {row['steps']}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,26 @@
+"""scripts/bench/admission.py on the tiny model: a forward per batch, the steps of an admission."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from conftest import TINY, omlx_env
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench" / "admission.py"
+
+
+def test_admission_times_forwards_and_the_steps_that_admit_prompts(tiny_home):
+    done = subprocess.run([sys.executable, str(SCRIPT), "--home", str(tiny_home), "--model", TINY,
+                           "--batches", "1,3", "--tokens", "16", "--repeats", "2", "--running", "2",
+                           "--new", "3", "--trials", "2", "--no-clear-cache", "--json"],
+                          capture_output=True, text=True, timeout=600, env=omlx_env(tiny_home))
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    assert [(r["batch"], len(r["ms"])) for r in report["forward"]] == [(1, 2), (3, 2)]
+    assert all(ms > 0 for r in report["forward"] for ms in r["ms"])
+    assert report["clear_cache"] is False and len(report["admission"]) == 2
+    for trial in report["admission"]:
+        steps = trial["steps"]
+        assert steps[0][1] == 3  # the new prompts prefill together
+        assert steps[-1][2] == 2 + 3  # the last step generates for the running and the admitted
