@@ -25,10 +25,12 @@ def test_omlx_against_omlx_with_other_settings(tiny_home):
     assert report["settings"] == {"omlx": {"OMLX_SERVER_PREFILL_BATCH": "1"},
                                   "omlx-baseline": {"OMLX_SERVER_PREFILL_BATCH": "2"}}
     ours = report["rounds"]["omlx"][0]
-    # One prompt a prefill: two engine steps each (its prompt, then its first token), for the
-    # calibration request, the warm-up's (as many as --concurrency by default) and the three measured ones.
+    # One prompt a prefill step, for the calibration request, the warm-up's (as many as
+    # --concurrency by default) and the three measured ones; the split that starts a prompt's
+    # generation takes a step of its own unless the next prompt prefills in it, and the last
+    # of each level's cannot.
     assert report["workload"]["warmup"] == 2
-    assert ours["engine_steps"]["prefill"]["steps"] == 2 * (1 + 2 + 3)
+    assert (1 + 2 + 3) + 3 <= ours["engine_steps"]["prefill"]["steps"] <= 2 * (1 + 2 + 3)
     assert ours["engine_steps"]["decode"]["steps"] >= 1
     assert 0 <= ours["engine_steps"]["decode"]["slow"] < ours["engine_steps"]["decode"]["steps"]  # a tiny step is fast
     assert report["summary"]["omlx"]["completed"] == report["summary"]["omlx-baseline"]["completed"] == 3

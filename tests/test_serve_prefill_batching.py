@@ -39,6 +39,15 @@ def test_a_long_prompt_in_the_batch_keeps_short_ones_out_until_it_ends():
     assert batching.batch_size(chunk=2048, budget=2048) == 1  # 1 is in the batch, nothing waits
 
 
+def test_prompts_about_to_generate_take_a_slot_but_no_prefill():
+    batching = PrefillBatching(cap=32)
+    for uid in range(32):
+        batching.inserted(uid, 128)
+    assert batching.batch_size(chunk=2048, budget=2048) == 16  # 16 x 128
+    batching.stepped([response(uid, 127, 128) for uid in range(16)])  # one token left: they split next
+    assert batching.batch_size(chunk=2048, budget=2048) == 16 + 16
+
+
 def test_removed_prompts_leave_the_count():
     batching = PrefillBatching(cap=32)
     for uid in range(4):

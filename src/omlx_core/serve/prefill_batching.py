@@ -6,8 +6,11 @@ both ways: eight 128-token prompts use a fraction of a step the GPU runs as fast
 4,096 tokens, so 32 streams that arrive together wait four steps for their first token,
 while eight 2,048-token chunks make one step of 16k tokens that holds every running stream
 (and needs activations the memory guard never sized). Like vLLM's per-step token budget,
-this sizes the batch before each step so that (prompts in it) x (longest chunk) stays
-within the budget, the prefill chunk size the guard allows, with at least one prompt.
+this sizes the batch before each step so that (prompts it prefills) x (longest chunk)
+stays within the budget, the prefill chunk size the guard allows, with at least one prompt.
+A forward's fixed cost is most of a short prompt's (about 18 ms against 2.6 ms for a
+128-token prompt on an H100: docs/benchmarks/admission-h100-qwen3-8b-shape.json), so
+batching admissions pays.
 """
 
 from collections import OrderedDict
@@ -42,12 +45,15 @@ class PrefillBatching:
 
     def batch_size(self, chunk: int, budget: int) -> int:
         """The `prefill_batch_size` for the next step: the prompt batch as it stands plus
-        the waiting prompts, in order, while (prompts) x (longest chunk) <= budget."""
-        count = len(self._prefilling)
-        width = max((min(left, chunk) for left in self._prefilling.values()), default=0)
+        the waiting prompts, in order, while the prompts the step prefills, times their
+        longest chunk, fit the budget. A prompt with one token left only moves to generation
+        in that step (mlx-lm splits it off before it prefills), so it takes a slot of the
+        batch but no prefill."""
+        staying = [min(left, chunk) for left in self._prefilling.values() if left > 1]
+        rows, width, joining = len(staying), max(staying, default=0), 0
         for tokens in self._waiting.values():
             wider = max(width, min(tokens, chunk))
-            if count >= self.cap or (count and (count + 1) * wider > budget):
+            if rows >= self.cap or (rows and (rows + 1) * wider > budget):
                 break
-            count, width = count + 1, wider
-        return max(count, 1)
+            rows, width, joining = rows + 1, wider, joining + 1
+        return max(len(self._prefilling) + joining, 1)
