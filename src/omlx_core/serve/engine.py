@@ -270,8 +270,8 @@ class Engine:
         phase = "prefill" if prompt_responses else "decode"
         self.metrics.step.labels(model_id, phase).observe(seconds)
         if seconds > SLOW_STEP_S:
-            log.info("%s: a step took %.2f s (%d sequences decoded, %d prompts prefilling); the first step of "
-                     "a batch shape compiles its kernels", model_id, seconds, len(responses), len(prompt_responses))
+            log.info("%s: a step took %.2f s (%d sequences decoded, %d prompts prefilling; a batch shape's "
+                     "first step compiles kernels)", model_id, seconds, len(responses), len(prompt_responses))
         sequences = self._active[model_id]
         self._store_prefixes(model, sequences, prompt_responses)
         stopped = []

@@ -2,15 +2,13 @@
 
 mlx-lm's `BatchGenerator` prefills its prompt batch together, right-padded to the longest
 chunk, and takes up to `prefill_batch_size` waiting prompts into it. A fixed count is wrong
-both ways: eight 128-token prompts use a fraction of a step the GPU runs as fast as one of
-4,096 tokens, so 32 streams that arrive together wait four steps for their first token,
-while eight 2,048-token chunks make one step of 16k tokens that holds every running stream
-(and needs activations the memory guard never sized). Like vLLM's per-step token budget,
-this sizes the batch before each step so that (prompts it prefills) x (longest chunk)
-stays within the budget, the prefill chunk size the guard allows, with at least one prompt.
-A forward's fixed cost is most of a short prompt's (about 18 ms against 2.6 ms for a
-128-token prompt on an H100: docs/benchmarks/admission-h100-qwen3-8b-shape.json), so
-batching admissions pays.
+both ways: a forward's fixed cost is most of a short prompt's (on an H100 8 prompts of 128
+tokens take 39 ms, 32 take 102: docs/benchmarks/admission-h100-qwen3-8b-shape.json), so 32
+streams that arrive together wait four steps of 8 for their first token, while eight
+2,048-token chunks make one step of 16k tokens that holds every running stream (and needs
+activations the memory guard never sized). Like vLLM's per-step token budget, this sizes
+the batch before each step so that (prompts it prefills) x (longest chunk) stays within
+the budget, the prefill chunk size the guard allows, with at least one prompt.
 """
 
 from collections import OrderedDict
