@@ -18,10 +18,12 @@ def serve_bench(home, *args: str) -> subprocess.CompletedProcess:
 def test_omlx_against_omlx_with_other_settings(tiny_home):
     done = serve_bench(tiny_home, "--concurrency", "2", "--requests", "3", "--ctx", "16", "--gen", "4",
                        "--against", "omlx", "--set", "server.prefill_batch=1",
-                       "--against-set", "server.prefill_batch=2", "--quiet", "--json")
+                       "--against-set", "server.prefill_batch=2", "--prime", "--quiet", "--json")
     assert done.returncode == 0, done.stderr
     report = json.loads(done.stdout)
     assert report["baseline"] == "omlx-baseline" and report["ratio_generation_tps"] > 0
+    assert report["primed"]["server"] == "omlx-baseline" and report["primed"]["generation_tps"] > 0
+    assert report["order"] == ["omlx-baseline", "omlx"]  # the primed run is not a round
     assert report["settings"] == {"omlx": {"OMLX_SERVER_PREFILL_BATCH": "1"},
                                   "omlx-baseline": {"OMLX_SERVER_PREFILL_BATCH": "2"}}
     ours = report["rounds"]["omlx"][0]

@@ -39,10 +39,14 @@ Order: round r runs the two servers in the order --first, other when r is even a
 reverse when it is odd (A B, B A, A B, …), so slow drift (thermal, page cache, another job)
 falls on both sides alike over an even number of rounds. Each figure is the median over
 --rounds of the per-round figure (TTFT p50/p99 are medians of the per-round percentiles);
-the ratio is median omlx tok/s / median baseline tok/s.
+the ratio is median omlx tok/s / median baseline tok/s. On a fresh CUDA machine the first
+server process also compiles what every later one finds in the disk caches (on an H100 its
+prefill steps took 19.8 s against 7.9 s for the same server in the last round:
+docs/benchmarks/serve-h100-qwen3-8b-shape-32-streams-prefill-batching.json): `--prime` runs
+the first server once, unmeasured, before round 0.
 
     .venv/bin/python scripts/bench/serve.py [--model default] [--concurrency 8] [--requests 32]
-        [--ctx 128] [--gen 64] [--rounds 1] [--endpoint completions|chat] [--set KEY=VALUE ...]
+        [--ctx 128] [--gen 64] [--rounds 1] [--prime] [--endpoint completions|chat] [--set KEY=VALUE ...]
         [--against mlx-lm|omlx] [--against-set KEY=VALUE ...] [--json]
 """
 
@@ -256,12 +260,21 @@ def run(args) -> dict:
     order = [OMLX, baseline] if args.first == OMLX else [baseline, OMLX]
     runs = {OMLX: [], baseline: []}
     sequence = []
+
+    def level(name: str, log_name: str) -> dict:
+        port = free_port()
+        command = mlx_lm_command(ref.path, port) if name == MLX_LM \
+            else omlx_command(home, args.model, port, args.concurrency)
+        return run_one(name, command, port, logs / f"{log_name}.log", workload, args, settings[name])
+
+    primed = None
+    if args.prime:  # the first process on a fresh machine pays the disk caches' first compiles
+        found = level(order[0], f"{order[0]}-prime")
+        primed = {"server": found["server"], "generation_tps": found["result"]["generation_tps"],
+                  "engine_steps": found["engine_steps"]}
     for round_ in range(args.rounds):
         for name in (order if round_ % 2 == 0 else order[::-1]):
-            port = free_port()
-            command = mlx_lm_command(ref.path, port) if name == MLX_LM \
-                else omlx_command(home, args.model, port, args.concurrency)
-            found = run_one(name, command, port, logs / f"{name}-{round_}.log", workload, args, settings[name])
+            found = level(name, f"{name}-{round_}")
             found["round"] = round_
             runs[name].append(found)
             sequence.append(name)
@@ -281,7 +294,7 @@ def run(args) -> dict:
         "model": {"ref": args.model, "name": ref.name, "path": str(ref.path)},
         "workload": {**workload.as_dict(), "endpoint": args.endpoint, "rounds": args.rounds},
         "baseline": baseline, "settings": settings,
-        "order": sequence,
+        "order": sequence, "primed": primed,
         "summary": summary,
         "ratio_generation_tps": ratio,
         "ratio_per_round": per_round,
@@ -350,6 +363,9 @@ def print_table(report: dict) -> None:
     console.print(f"{report['created']} · hardware {report['hardware']['fingerprint']} · "
                   f"omlx {report['versions']['omlx']}, mlx {report['versions']['mlx']}, "
                   f"mlx-lm {report['versions']['mlx_lm']} · {report['model']['path']}", style="dim")
+    if report["primed"]:
+        console.print(f"primed: {report['primed']['server']} ran once first, not counted "
+                      f"({_num(report['primed']['generation_tps'])} tok/s)", style="dim")
     for name, found in report["rounds"].items():
         if found and found[-1]["engine_steps"]:
             console.print(engine_line(name, found[-1]["engine_steps"]), style="dim")
@@ -380,6 +396,9 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--endpoint", choices=("completions", "chat"), default="completions")
     parser.add_argument("--rounds", type=int, default=1, help="A/B rounds, order alternating (default 1)")
+    parser.add_argument("--prime", action="store_true",
+                        help="first run the first server once, unmeasured (a fresh machine's first process "
+                             "compiles what later ones find cached)")
     parser.add_argument("--first", choices=("baseline", OMLX), default="baseline",
                         help="which server runs first in round 0 (default the baseline)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
