@@ -9,14 +9,18 @@ forward's fixed part and its part per prompt, which is what sizes a prefill step
 
 How: the model is loaded as `omlx serve` loads it (its settings, kernels and fast paths,
 `OMLX_*` variables included). `forward BxL`: ms of one prefill forward of B prompts of L
-random tokens on a fresh cache, waited for, --repeats times (the first compiles). Admission
-trials: a mlx-lm `BatchGenerator` (as the engine makes it) decodes --running sequences, then
---new prompts of L-8..L+7 tokens are inserted and each step until they all generate is
-timed: (ms, prompt responses, generation responses). `--no-clear-cache` makes the MLX
-`clear_cache` that mlx-lm calls after each prompt chunk a no-op, to see what it costs.
+random tokens on a fresh cache, waited for, --repeats times, for each B of --batches and L
+of --tokens; the first of a shape builds what is made per shape, and its excess over the
+repeats is what a serve step meeting a new shape pays. Admission trials: a mlx-lm
+`BatchGenerator` (as the engine makes it) decodes --running sequences, then --new prompts
+of L-S..L+S-1 tokens (S = --spread; 0: all of L, the same shapes every trial) are inserted
+and each step until they all generate is timed: (ms, prompt responses, generation
+responses). `--no-clear-cache` makes the MLX `clear_cache` that mlx-lm calls after each
+prompt chunk a no-op, to see what it costs.
 
     python scripts/bench/admission.py --model PATH [--home DIR] [--batches 1,8,16,32]
-        [--tokens 128] [--running 16] [--new 16] [--trials 3] [--no-clear-cache] [--json]
+        [--tokens 128[,L...]] [--spread 8] [--running 16] [--new 16] [--trials 3]
+        [--no-clear-cache] [--json]
 """
 
 import argparse
@@ -45,13 +49,13 @@ def load(home: str | None, model: str):
     return registry.get(registry.default_id).model
 
 
-def forwards(model, batches: list[int], tokens: int, repeats: int, rng: random.Random) -> list[dict]:
+def forwards(model, batches: list[int], lengths: list[int], repeats: int, rng: random.Random) -> list[dict]:
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
 
     vocab = model.args.vocab_size
     rows = []
-    for batch in batches:
+    for batch, tokens in ((b, t) for t in lengths for b in batches):
         prompt = mx.array([[rng.randrange(1, vocab) for _ in range(tokens)] for _ in range(batch)])
         times = []
         for _ in range(repeats):
@@ -62,7 +66,8 @@ def forwards(model, batches: list[int], tokens: int, repeats: int, rng: random.R
     return rows
 
 
-def admissions(model, running: int, new: int, tokens: int, trials: int, rng: random.Random) -> list[dict]:
+def admissions(model, running: int, new: int, tokens: int, spread: int, trials: int,
+               rng: random.Random) -> list[dict]:
     from mlx_lm.generate import BatchGenerator
 
     vocab = model.args.vocab_size
@@ -70,7 +75,7 @@ def admissions(model, running: int, new: int, tokens: int, trials: int, rng: ran
     rows = []
     try:
         for _ in range(trials):
-            prompts = [[rng.randrange(1, vocab) for _ in range(tokens + rng.randrange(-8, 8))]
+            prompts = [[rng.randrange(1, vocab) for _ in range(tokens + (rng.randrange(-spread, spread) if spread else 0))]
                        for _ in range(running + new)]
             generator.prefill_batch_size = running
             old = set(generator.insert(prompts[:running], max_tokens=[10_000] * running))
@@ -98,13 +103,14 @@ def run(args) -> dict:
     model = load(args.home, args.model)
     rng = random.Random(args.seed)
     clear_cache = mx.clear_cache
+    lengths = [int(t) for t in args.tokens.split(",")]
     report = {"command": "scripts/bench/admission.py", "model": args.model,
               "device": str(mx.default_device()), "clear_cache": not args.no_clear_cache,
-              "forward": forwards(model, [int(b) for b in args.batches.split(",")], args.tokens, args.repeats, rng)}
+              "forward": forwards(model, [int(b) for b in args.batches.split(",")], lengths, args.repeats, rng)}
     if args.no_clear_cache:
         mx.clear_cache = lambda: None
     try:
-        report["admission"] = admissions(model, args.running, args.new, args.tokens, args.trials, rng)
+        report["admission"] = admissions(model, args.running, args.new, lengths[0], args.spread, args.trials, rng)
     finally:
         mx.clear_cache = clear_cache
     return report
@@ -115,7 +121,8 @@ def main() -> None:
     parser.add_argument("--model", required=True, help="a path or a name under $OMLX_HOME/models")
     parser.add_argument("--home", default=None, help="omlx home (default: $OMLX_HOME or ~/.omlx)")
     parser.add_argument("--batches", default="1,8,16,32", help="prompts per timed forward")
-    parser.add_argument("--tokens", type=int, default=128, help="prompt tokens (admission: +-8)")
+    parser.add_argument("--tokens", default="128", help="prompt tokens per forward, comma-separated (admission: the first)")
+    parser.add_argument("--spread", type=int, default=8, help="admitted prompts' lengths vary by +-this (0: none)")
     parser.add_argument("--repeats", type=int, default=4)
     parser.add_argument("--running", type=int, default=16, help="sequences decoding before the admission")
     parser.add_argument("--new", type=int, default=16, help="prompts admitted together")

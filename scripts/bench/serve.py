@@ -26,9 +26,10 @@ warm run of the same workload: 2,548).
 `--set KEY=VALUE` gives the omlx server a setting (through its `OMLX_<KEY>` environment
 variable, the layer above the settings files); `--against omlx` makes the baseline an omlx
 server too, with the `--against-set` settings instead: an A/B of one setting, e.g.
-`--against omlx --set server.prefill_batch=32`. Each omlx server's `omlx_engine_step_seconds`
-(steps and seconds by phase: decode only, or with admissions' prefill) is read from /metrics
-after its level: the warm-up's steps included.
+`--against omlx --set server.prefill_batch=32`; a KEY named MLX_* is an MLX environment
+variable, passed as it is (`--set MLX_CUDA_USE_CUDNN_SDPA=0`). Each omlx server's
+`omlx_engine_step_seconds` (steps and seconds by phase: decode only, or with admissions'
+prefill) is read from /metrics after its level: the warm-up's steps included.
 
 Every request streams `max_tokens` = --gen with `ignore_eos`; omlx honours it, mlx_lm.server
 does not and may stop at EOS, so tokens are counted as each server reports them and the
@@ -135,7 +136,8 @@ class Subprocess:
 
 
 def settings_env(pairs: list[str], flag: str) -> dict[str, str]:
-    """`OMLX_<KEY>` variables for KEY=VALUE settings, each checked against the schema."""
+    """`OMLX_<KEY>` variables for KEY=VALUE settings, each checked against the schema; an
+    MLX environment variable (MLX_*, e.g. MLX_CUDA_USE_CUDNN_SDPA=0) passes as it is."""
     from omlx_core.errors import OmlxError
     from omlx_core.settings.schema import lookup
 
@@ -144,6 +146,9 @@ def settings_env(pairs: list[str], flag: str) -> dict[str, str]:
         key, sep, value = pair.partition("=")
         if not sep:
             raise SystemExit(f"{flag} {pair}: expected KEY=VALUE, e.g. server.prefill_batch=32")
+        if key.startswith("MLX_"):
+            env[key] = value.strip()
+            continue
         try:
             setting = lookup(key.strip())
             setting.parse(value)
