@@ -55,3 +55,40 @@ def test_removed_prompts_leave_the_count():
     batching.stepped([response(0, 512, 600)])
     batching.removed([0, 1])
     assert batching.batch_size(chunk=2048, budget=1200) == 2  # 2 and 3: 2 x 600
+
+
+def held_batching(wait_steps=3):
+    """Two sequences decoding (inserted and through the prompt batch), then one new prompt."""
+    batching = PrefillBatching(cap=32, wait_steps=wait_steps)
+    batching.inserted(0, 128)
+    batching.inserted(1, 128)
+    batching.batch_size(chunk=2048, budget=2048)
+    batching.stepped([response(0, 128, 128, end_of_prompt=True), response(1, 128, 128, end_of_prompt=True)])
+    batching.inserted(2, 128)
+    return batching
+
+
+def test_a_prompt_waits_for_others_while_sequences_decode_and_slots_are_free():
+    batching = held_batching(wait_steps=3)
+    sizes = [batching.batch_size(chunk=2048, budget=2048, sequences=3, free=5) for _ in range(4)]
+    assert sizes == [0, 0, 0, 1]  # held three steps, then prefilled alone
+
+
+def test_prompts_that_arrive_while_one_waits_join_it():
+    batching = held_batching(wait_steps=3)
+    assert batching.batch_size(chunk=2048, budget=2048, sequences=3, free=5) == 0
+    batching.inserted(3, 100)
+    assert batching.batch_size(chunk=2048, budget=2048, sequences=4, free=4) == 0
+    assert batching.batch_size(chunk=2048, budget=2048, sequences=4, free=4) == 0
+    assert batching.batch_size(chunk=2048, budget=2048, sequences=4, free=4) == 2  # the oldest's wait is up
+
+
+def test_no_wait_when_nothing_decodes_no_slot_is_free_or_the_budget_is_full():
+    idle = PrefillBatching(cap=32, wait_steps=3)
+    idle.inserted(0, 128)
+    assert idle.batch_size(chunk=2048, budget=2048, sequences=1, free=7) == 1  # nothing decodes
+    assert held_batching().batch_size(chunk=2048, budget=2048, sequences=3, free=0) == 1  # no prompt can join
+    full = held_batching()
+    full.inserted(3, 2000)
+    assert full.batch_size(chunk=2048, budget=2048, sequences=4, free=4) == 1  # the next does not fit
+    assert held_batching(wait_steps=0).batch_size(chunk=2048, budget=2048, sequences=3, free=5) == 1
