@@ -10,9 +10,8 @@ activations the memory guard never sized). Like vLLM's per-step token budget, th
 the batch before each step so that (prompts it prefills) x (longest chunk) stays within
 the budget, the prefill chunk size the guard allows, with at least one prompt.
 
-Every prefill step also holds every decoding stream, and on a GPU its fixed cost is several
-decode steps (on an H100 a forward's 18 ms, the split into generation's 30 ms and 35-80 ms
-more for a batch shape met first, against a 9 ms decode step at 32 streams: the same file);
+Every prefill step also holds every decoding stream, and on a GPU its fixed cost (and the
+kernels built for a batch shape it is the first to meet) is far more than a decode step's;
 streams that finish one by one would each bring a prefill step of their own. So, like TGI's
 `max_waiting_tokens`, while sequences decode and slots are still free for more prompts,
 prompts that fit one step wait up to `wait_steps` steps for others to join them.
