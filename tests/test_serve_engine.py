@@ -9,7 +9,7 @@ from omlx_core.memory.guard import MemoryGuard
 from omlx_core.serve.engine import Engine
 from omlx_core.serve.metrics import ServerMetrics
 from omlx_core.serve.registry import ModelRegistry
-from omlx_core.serve.request import Request, Status
+from omlx_core.serve.request import Request
 from omlx_core.serve.scheduler import Scheduler
 
 PROMPTS = 4
@@ -59,36 +59,3 @@ def test_a_slow_step_is_logged_with_its_shape(tiny_home, monkeypatch, caplog):
     lines = [r.getMessage() for r in caplog.records if "a step took" in r.getMessage()]
     assert any(f"0 sequences decoded, {PROMPTS} prompts prefilling" in line for line in lines), lines
     assert any(f"{PROMPTS} sequences decoded, 0 prompts prefilling" in line for line in lines), lines
-
-
-def prefill_steps_of_two_late_prompts(home, wait_steps: int) -> float:
-    """One request decodes; a second is admitted, and only then a third, which fills the
-    last slot. Engine steps that prefilled, its own one included."""
-    guard = MemoryGuard(total_bytes=64 * 2**30)
-    registry = ModelRegistry(home, [TINY], guard, cli_settings={
-        "server.prefill_wait_steps": wait_steps, "server.warmup": False})
-    metrics = ServerMetrics()
-    engine = Engine(registry, Scheduler(guard, max_running=3, max_waiting=3), guard, metrics)
-    first, second, third = (Request(TINY, [5 + i] * 4, max_tokens=n, temperature=0.0)
-                            for i, n in enumerate((400, 2, 2)))
-    engine.submit(first)
-    engine.start()
-    deadline = time.monotonic() + 120
-    while first.first_token_at is None and time.monotonic() < deadline:
-        time.sleep(0.001)
-    engine.submit(second)
-    while second.status is Status.WAITING and time.monotonic() < deadline:
-        time.sleep(0.001)
-    engine.submit(third)
-    while any(r.finished_at is None for r in (first, second, third)) and time.monotonic() < deadline:
-        time.sleep(0.02)
-    engine.stop()
-    assert first.completion_tokens == 400 and second.completion_tokens == third.completion_tokens == 2
-    return metrics.registry.get_sample_value("omlx_engine_step_seconds_count", {"model": TINY, "phase": "prefill"})
-
-
-def test_a_prompt_waits_for_the_next_while_others_decode(tiny_home):
-    # The first request: its prompt, its split. Then at once: the second's prompt, its split
-    # with the third's prompt, the third's split; waiting: both prompts, then their split.
-    assert prefill_steps_of_two_late_prompts(tiny_home, wait_steps=0) == 2 + 3
-    assert prefill_steps_of_two_late_prompts(tiny_home, wait_steps=10_000) == 2 + 2

@@ -222,8 +222,7 @@ class Engine:
             if model.settings["server.warmup"]:
                 warm_up(generator, self.scheduler.max_running)
             model.generator = generator
-            model.prefill_batching = PrefillBatching(generator.prefill_batch_size,
-                                                     int(model.settings["server.prefill_wait_steps"]))
+            model.prefill_batching = PrefillBatching(generator.prefill_batch_size)
             model.stop_sequences = StopSequences([[t] for t in model.tokenizer.eos_token_ids])
             model.no_stop = StopSequences(None)
         return model.generator
@@ -257,9 +256,7 @@ class Engine:
         generator = model.generator
         chunk = self.guard.prefill_chunk_size(int(model.settings["prefill.chunk_size"]))
         generator.prefill_step_size = chunk
-        generator.prefill_batch_size = model.prefill_batching.batch_size(
-            chunk, budget=chunk, sequences=len(self._active[model_id]),
-            free=self.scheduler.max_running - len(self.scheduler.running))
+        generator.prefill_batch_size = model.prefill_batching.batch_size(chunk, budget=chunk)
         started = time.perf_counter()
         try:
             prompt_responses, responses = generator.next()

@@ -9,12 +9,6 @@ streams that arrive together wait four steps of 8 for their first token, while e
 activations the memory guard never sized). Like vLLM's per-step token budget, this sizes
 the batch before each step so that (prompts it prefills) x (longest chunk) stays within
 the budget, the prefill chunk size the guard allows, with at least one prompt.
-
-Every prefill step also holds every decoding stream, and on a GPU its fixed cost (and the
-kernels built for a batch shape it is the first to meet) is far more than a decode step's;
-streams that finish one by one would each bring a prefill step of their own. So, like TGI's
-`max_waiting_tokens`, while sequences decode and slots are still free for more prompts,
-prompts that fit one step wait up to `wait_steps` steps for others to join them.
 """
 
 from collections import OrderedDict
@@ -23,22 +17,17 @@ from collections import OrderedDict
 class PrefillBatching:
     """Tracks one generator's prompts, waiting and in its prompt batch, by tokens left."""
 
-    def __init__(self, cap: int, wait_steps: int = 0):
+    def __init__(self, cap: int):
         self.cap = cap  # server.prefill_batch: at most this many prompts in one step
-        self.wait_steps = wait_steps  # server.prefill_wait_steps: most steps a prompt is held back
         self._waiting: OrderedDict[int, int] = OrderedDict()  # uid -> prompt tokens, in insert order
-        self._since: dict[int, int] = {}  # uid -> the step count when it was inserted
         self._prefilling: dict[int, int] = {}  # uid -> prompt tokens not yet prefilled
-        self._steps = 0  # batch_size calls: one per generator step
 
     def inserted(self, uid: int, tokens: int) -> None:
         self._waiting[uid] = tokens
-        self._since[uid] = self._steps
 
     def removed(self, uids) -> None:
         for uid in uids:
             self._waiting.pop(uid, None)
-            self._since.pop(uid, None)
             self._prefilling.pop(uid, None)
 
     def stepped(self, prompt_responses) -> None:
@@ -46,22 +35,18 @@ class PrefillBatching:
         `progress` = (tokens done, tokens in all); `end_of_prompt` moves it to generation."""
         for response in prompt_responses:
             self._waiting.pop(response.uid, None)
-            self._since.pop(response.uid, None)
             if response.end_of_prompt:
                 self._prefilling.pop(response.uid, None)
             else:
                 done, total = response.progress
                 self._prefilling[response.uid] = total - done
 
-    def batch_size(self, chunk: int, budget: int, sequences: int = 0, free: int = 0) -> int:
+    def batch_size(self, chunk: int, budget: int) -> int:
         """The `prefill_batch_size` for the next step: the prompt batch as it stands plus
         the waiting prompts, in order, while the prompts the step prefills, times their
         longest chunk, fit the budget. A prompt with one token left only moves to generation
         in that step (mlx-lm splits it off before it prefills), so it takes a slot of the
-        batch but no prefill. 0 holds the waiting prompts back for this step: none is in
-        the prompt batch, some of the generator's `sequences` generate, `free` slots could
-        still bring prompts that fit with them, and the oldest has waited < `wait_steps`."""
-        self._steps += 1
+        batch but no prefill."""
         staying = [min(left, chunk) for left in self._prefilling.values() if left > 1]
         rows, width, joining = len(staying), max(staying, default=0), 0
         for tokens in self._waiting.values():
@@ -69,13 +54,4 @@ class PrefillBatching:
             if rows >= self.cap or (rows and (rows + 1) * wider > budget):
                 break
             rows, width, joining = rows + 1, wider, joining + 1
-        decoding = sequences - len(self._waiting) - len(self._prefilling)
-        if self._holds(joining, decoding, free):
-            return 0
         return max(len(self._prefilling) + joining, 1)
-
-    def _holds(self, joining: int, decoding: int, free: int) -> bool:
-        room = joining == len(self._waiting) and joining < self.cap  # all fit, and more would
-        oldest = self._steps - min(self._since.values(), default=self._steps)
-        return bool(joining and room and decoding > 0 and free > 0 and not self._prefilling
-                    and oldest <= self.wait_steps)

@@ -153,10 +153,6 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("server.prefill_batch", "int", 32,
             "Most admitted prompts prefilled together in one engine step (at most max_concurrency); "
             "the step's prompts x longest chunk also stay within prefill.chunk_size tokens.", minimum=1),
-    Setting("server.prefill_wait_steps", "int", 0,
-            "While sequences decode and slots are free, admitted prompts wait up to this many steps for "
-            "others to be prefilled with them (fewer prefill steps, which hold every stream); 0: at once.",
-            minimum=0),
     Setting("server.warmup", "bool", True,
             "Before serving, decode dummy batches of 1 sequence, of each decode-kernel launch shape and of "
             "max_concurrency, so the first requests do not wait for kernel compiles."),
