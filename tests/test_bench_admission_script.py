@@ -12,15 +12,16 @@ SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench" / "admission.
 
 def test_admission_times_forwards_and_the_steps_that_admit_prompts(tiny_home):
     done = subprocess.run([sys.executable, str(SCRIPT), "--home", str(tiny_home), "--model", TINY,
-                           "--batches", "1,3", "--tokens", "16", "--repeats", "2", "--running", "2",
-                           "--new", "3", "--trials", "2", "--no-clear-cache", "--json"],
+                           "--batches", "1,3", "--tokens", "16,9", "--repeats", "2", "--running", "2",
+                           "--new", "3,1", "--trials", "2", "--spread", "0", "--no-clear-cache", "--json"],
                           capture_output=True, text=True, timeout=600, env=omlx_env(tiny_home))
     assert done.returncode == 0, done.stderr
     report = json.loads(done.stdout)
-    assert [(r["batch"], len(r["ms"])) for r in report["forward"]] == [(1, 2), (3, 2)]
+    assert [(r["batch"], r["tokens"], len(r["ms"])) for r in report["forward"]] == [
+        (1, 16, 2), (3, 16, 2), (1, 9, 2), (3, 9, 2)]
     assert all(ms > 0 for r in report["forward"] for ms in r["ms"])
-    assert report["clear_cache"] is False and len(report["admission"]) == 2
+    assert report["clear_cache"] is False and [t["new"] for t in report["admission"]] == [3, 3, 1, 1]
     for trial in report["admission"]:
-        steps = trial["steps"]
-        assert steps[0][1] == 3  # the new prompts prefill together
-        assert steps[-1][2] == 2 + 3  # the last step generates for the running and the admitted
+        steps, new = trial["steps"], trial["new"]
+        assert steps[0][1] == new  # the new prompts prefill together
+        assert steps[-1][2] == 2 + new  # the last step generates for the running and the admitted

@@ -12,14 +12,16 @@ How: the model is loaded as `omlx serve` loads it (its settings, kernels and fas
 random tokens on a fresh cache, waited for, --repeats times, for each B of --batches and L
 of --tokens; the first of a shape builds what is made per shape, and its excess over the
 repeats is what a serve step meeting a new shape pays. Admission trials: a mlx-lm
-`BatchGenerator` (as the engine makes it) decodes --running sequences, then --new prompts
-of L-S..L+S-1 tokens (S = --spread; 0: all of L, the same shapes every trial) are inserted
-and each step until they all generate is timed: (ms, prompt responses, generation
-responses). `--no-clear-cache` makes the MLX `clear_cache` that mlx-lm calls after each
+`BatchGenerator` (as the engine makes it) decodes --running sequences, then N prompts of
+L-S..L+S-1 tokens (S = --spread; 0: all of L) are inserted, --trials times for each N of
+--new, and each step until they all generate is timed: (ms, prompt responses, generation
+responses). A trial's first steps at a new N or L meet new shapes (the split into
+generation decodes the N new sequences on their own, then the merged batch), its repeats
+do not. `--no-clear-cache` makes the MLX `clear_cache` that mlx-lm calls after each
 prompt chunk a no-op, to see what it costs.
 
     python scripts/bench/admission.py --model PATH [--home DIR] [--batches 1,8,16,32]
-        [--tokens 128[,L...]] [--spread 8] [--running 16] [--new 16] [--trials 3]
+        [--tokens 128[,L...]] [--spread 8] [--running 16] [--new 16[,N...]] [--trials 3]
         [--no-clear-cache] [--json]
 """
 
@@ -66,15 +68,16 @@ def forwards(model, batches: list[int], lengths: list[int], repeats: int, rng: r
     return rows
 
 
-def admissions(model, running: int, new: int, tokens: int, spread: int, trials: int,
+def admissions(model, running: int, news: list[int], tokens: int, spread: int, trials: int,
                rng: random.Random) -> list[dict]:
     from mlx_lm.generate import BatchGenerator
 
     vocab = model.args.vocab_size
-    generator = BatchGenerator(model, completion_batch_size=running + new, prefill_batch_size=running + new)
+    most = running + max(news)
+    generator = BatchGenerator(model, completion_batch_size=most, prefill_batch_size=most)
     rows = []
     try:
-        for _ in range(trials):
+        for new in (n for n in news for _ in range(trials)):
             prompts = [[rng.randrange(1, vocab) for _ in range(tokens + (rng.randrange(-spread, spread) if spread else 0))]
                        for _ in range(running + new)]
             generator.prefill_batch_size = running
@@ -91,7 +94,7 @@ def admissions(model, running: int, new: int, tokens: int, spread: int, trials: 
                 if sum(r.uid in fresh for r in responses) == new:
                     break
             generator.remove(list(old | fresh))
-            rows.append({"decode_ms": round(decode_ms, 1), "steps": steps})
+            rows.append({"new": new, "decode_ms": round(decode_ms, 1), "steps": steps})
     finally:
         generator.close()
     return rows
@@ -110,7 +113,8 @@ def run(args) -> dict:
     if args.no_clear_cache:
         mx.clear_cache = lambda: None
     try:
-        report["admission"] = admissions(model, args.running, args.new, lengths[0], args.spread, args.trials, rng)
+        report["admission"] = admissions(model, args.running, [int(n) for n in args.new.split(",")], lengths[0], args.spread,
+                                         args.trials, rng)
     finally:
         mx.clear_cache = clear_cache
     return report
@@ -125,7 +129,7 @@ def main() -> None:
     parser.add_argument("--spread", type=int, default=8, help="admitted prompts' lengths vary by +-this (0: none)")
     parser.add_argument("--repeats", type=int, default=4)
     parser.add_argument("--running", type=int, default=16, help="sequences decoding before the admission")
-    parser.add_argument("--new", type=int, default=16, help="prompts admitted together")
+    parser.add_argument("--new", default="16", help="prompts admitted together, comma-separated: --trials each")
     parser.add_argument("--trials", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-clear-cache", action="store_true", help="mlx-lm's clear_cache a no-op")
@@ -138,7 +142,8 @@ def main() -> None:
     for row in report["forward"]:
         print(f"forward {row['batch']}x{row['tokens']}: {row['ms']} ms")
     for row in report["admission"]:
-        print(f"admission: decode {row['decode_ms']} ms before; steps (ms, prompts, generating) {row['steps']}")
+        print(f"admission of {row['new']}: decode {row['decode_ms']} ms before; "
+              f"steps (ms, prompts, generating) {row['steps']}")
 
 
 if __name__ == "__main__":
