@@ -78,8 +78,8 @@ def admissions(model, running: int, news: list[int], tokens: int, spread: int, t
     rows = []
     try:
         for new in (n for n in news for _ in range(trials)):
-            prompts = [[rng.randrange(1, vocab) for _ in range(tokens + (rng.randrange(-spread, spread) if spread else 0))]
-                       for _ in range(running + new)]
+            lengths = [tokens + (rng.randrange(-spread, spread) if spread else 0) for _ in range(running + new)]
+            prompts = [[rng.randrange(1, vocab) for _ in range(length)] for length in lengths]
             generator.prefill_batch_size = running
             old = set(generator.insert(prompts[:running], max_tokens=[10_000] * running))
             while len(generator.next()[1]) < running:

@@ -47,8 +47,8 @@ docs/benchmarks/serve-h100-qwen3-8b-shape-32-streams-prefill-batching.json): `--
 the first server once, unmeasured, before round 0.
 
     .venv/bin/python scripts/bench/serve.py [--model default] [--concurrency 8] [--requests 32]
-        [--ctx 128] [--gen 64] [--rounds 1] [--prime] [--endpoint completions|chat] [--set KEY=VALUE ...]
-        [--against mlx-lm|omlx] [--against-set KEY=VALUE ...] [--json]
+        [--ctx 128] [--gen 64] [--rounds 1] [--prime] [--endpoint completions|chat]
+        [--set KEY=VALUE ...] [--against mlx-lm|omlx] [--against-set KEY=VALUE ...] [--json]
 """
 
 import argparse
