@@ -59,3 +59,7 @@ def test_a_slow_step_is_logged_with_its_shape(tiny_home, monkeypatch, caplog):
     lines = [r.getMessage() for r in caplog.records if "a step took" in r.getMessage()]
     assert any(f"0 sequences decoded, {PROMPTS} prompts prefilling" in line for line in lines), lines
     assert any(f"{PROMPTS} sequences decoded, 0 prompts prefilling" in line for line in lines), lines
+    # Without a warm-up the split decodes PROMPTS sequences first; the steps after meet no new size.
+    firsts = [line for line in lines if "first decode at batch size" in line]
+    assert len(firsts) == 1 and f"first decode at batch size {PROMPTS})" in firsts[0], lines
+    assert lines[-1].endswith("no decode batch size met first)"), lines

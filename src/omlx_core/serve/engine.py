@@ -41,7 +41,7 @@ WARMUP_PROMPT = [1, 2]  # token ids every vocabulary has
 WARMUP_TOKENS = 3  # decode steps of each warm-up sequence
 
 
-def warm_up(generator, max_running: int) -> int:
+def warm_up(generator, max_running: int) -> set[int]:
     """Decode a short dummy batch of one sequence, of each size at which the decode
     kernels change launch shape (2, 9, 17, 33 sequences with qmm_decode installed), and of
     `max_running`, through the server's own generator before the first request: a decode
@@ -49,23 +49,23 @@ def warm_up(generator, max_running: int) -> int:
     runs, and on the H200 that made the first 32 requests of a cold server wait seconds
     for their first token (670 tok/s against 2,346 once warm; warming batches of 1 and 32
     alone still gave 798, docs/benchmarks/serve-h200-qwen3-8b-shape-32-streams-*.json).
-    Returns the widest batch a decode step ran."""
+    Returns the batch sizes its decode steps ran."""
     from omlx_core.kernels.qmm_decode import shape_changes
 
     batches = dict.fromkeys((1, *shape_changes(generator.model, max_running), max_running))
-    widest = 0
+    decoded: set[int] = set()
     for batch in batches:
         uids = set(generator.insert([list(WARMUP_PROMPT)] * batch, max_tokens=[WARMUP_TOKENS] * batch))
         for _ in range(4 * (batch + WARMUP_TOKENS)):  # far more calls than prefill and decode take
             if not uids:
                 break
             _, responses = generator.next()
-            widest = max(widest, len(responses))
+            decoded.add(len(responses))
             uids -= {r.uid for r in responses if r.finish_reason is not None}
         if uids:  # never seen: a generator that drops sequences; serving still works, only colder
             log.warning("warm-up: %d dummy sequences did not finish; removed", len(uids))
             generator.remove(list(uids))
-    return widest
+    return decoded - {0}
 
 
 @dataclass
@@ -220,7 +220,7 @@ class Engine:
                 prefill_batch_size=min(int(model.settings["server.prefill_batch"]), self.scheduler.max_running),
                 prefill_step_size=int(model.settings["prefill.chunk_size"]))
             if model.settings["server.warmup"]:
-                warm_up(generator, self.scheduler.max_running)
+                model.decode_sizes = warm_up(generator, self.scheduler.max_running)
             model.generator = generator
             model.prefill_batching = PrefillBatching(generator.prefill_batch_size)
             model.stop_sequences = StopSequences([[t] for t in model.tokenizer.eos_token_ids])
@@ -269,9 +269,12 @@ class Engine:
         model.prefill_batching.stepped(prompt_responses)
         phase = "prefill" if prompt_responses else "decode"
         self.metrics.step.labels(model_id, phase).observe(seconds)
+        new_sizes = self._new_decode_sizes(model, responses, prompt_responses)
         if seconds > SLOW_STEP_S:
-            log.info("%s: a step took %.2f s (%d sequences decoded, %d prompts prefilling; a batch shape's "
-                     "first step compiles kernels)", model_id, seconds, len(responses), len(prompt_responses))
+            log.info("%s: a step took %.2f s (%d sequences decoded, %d prompts prefilling; %s)", model_id, seconds,
+                     len(responses), len(prompt_responses),
+                     f"first decode at batch size {', '.join(map(str, new_sizes))}" if new_sizes
+                     else "no decode batch size met first")
         sequences = self._active[model_id]
         self._store_prefixes(model, sequences, prompt_responses)
         stopped = []
@@ -283,6 +286,17 @@ class Engine:
                 stopped.append(sequence)
         if stopped:
             generator.remove([s.uid for s in stopped])
+
+    @staticmethod
+    def _new_decode_sizes(model, responses, prompt_responses) -> list[int]:
+        """Decode batch sizes this step ran for the first time: the running batch's, and
+        the prompts that moved to generation (mlx-lm decodes their first token on their
+        own). A size met first builds what is made per shape (mx.compile traces, cuDNN
+        graphs), so a slow step says whether it met one."""
+        split = sum(1 for r in prompt_responses if r.end_of_prompt)
+        new = sorted({n for n in (len(responses), split) if n} - model.decode_sizes)
+        model.decode_sizes.update(new)
+        return new
 
     def _store_prefixes(self, model, sequences: dict, prompt_responses) -> None:
         """Store the cache of each prompt that just reached its last whole block."""
