@@ -29,7 +29,9 @@ import argparse
 import json
 import random
 import time
-from pathlib import Path
+
+from omlx_core.errors import OmlxError
+from omlx_core.units import parse_counts
 
 
 def timed_ms(function) -> tuple[float, object]:
@@ -106,15 +108,13 @@ def run(args) -> dict:
     model = load(args.home, args.model)
     rng = random.Random(args.seed)
     clear_cache = mx.clear_cache
-    lengths = [int(t) for t in args.tokens.split(",")]
     report = {"command": "scripts/bench/admission.py", "model": args.model,
               "device": str(mx.default_device()), "clear_cache": not args.no_clear_cache,
-              "forward": forwards(model, [int(b) for b in args.batches.split(",")], lengths, args.repeats, rng)}
+              "forward": forwards(model, args.batches, args.tokens, args.repeats, rng)}
     if args.no_clear_cache:
         mx.clear_cache = lambda: None
     try:
-        report["admission"] = admissions(model, args.running, [int(n) for n in args.new.split(",")], lengths[0], args.spread,
-                                         args.trials, rng)
+        report["admission"] = admissions(model, args.running, args.new, args.tokens[0], args.spread, args.trials, rng)
     finally:
         mx.clear_cache = clear_cache
     return report
@@ -135,6 +135,11 @@ def main() -> None:
     parser.add_argument("--no-clear-cache", action="store_true", help="mlx-lm's clear_cache a no-op")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
+    try:
+        args.batches, args.tokens, args.new = (parse_counts(getattr(args, name), f"--{name}")
+                                               for name in ("batches", "tokens", "new"))
+    except OmlxError as error:
+        raise SystemExit(f"admission.py: {error}") from None
     report = run(args)
     if args.json:
         print(json.dumps(report, indent=1))
