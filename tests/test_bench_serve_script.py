@@ -1,6 +1,8 @@
 """scripts/bench/serve.py as an A/B of one omlx setting: two real omlx servers on a tiny model."""
 
 import json
+import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -47,3 +49,28 @@ def test_a_bad_setting_is_refused_before_any_server_starts(tiny_home):
     assert bad_value.returncode != 0 and "--against-set server.prefill_batch=0" in bad_value.stderr
     alone = serve_bench(tiny_home, "--against-set", "server.prefill_batch=2")
     assert alone.returncode != 0 and "add --against omlx" in alone.stderr
+
+
+def test_the_baseline_runs_another_checkouts_code(tiny_home, tmp_path):
+    """--against-src: the baseline server imports omlx from the other checkout (whose copy
+    of omlx_core notes each import in a file), the omlx side from this one."""
+    other = tmp_path / "other"
+    shutil.copytree(SCRIPT.parents[2] / "src", other / "src", ignore=shutil.ignore_patterns("__pycache__"))
+    marks = tmp_path / "imports.txt"
+    init = other / "src" / "omlx_core" / "__init__.py"
+    init.write_text(init.read_text() + f"\nopen({str(marks)!r}, 'a').write('imported\\n')\n")
+    done = serve_bench(tiny_home, "--concurrency", "1", "--requests", "1", "--ctx", "8", "--gen", "2",
+                       "--against", "omlx", "--against-src", str(other), "--quiet", "--json")
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    assert report["settings"]["omlx-baseline"]["PYTHONPATH"].split(os.pathsep)[0] == str(other / "src")
+    assert "PYTHONPATH" not in report["settings"]["omlx"]
+    assert marks.is_file() and marks.read_text().count("imported") >= 1  # the baseline server's process
+    assert report["summary"]["omlx"]["completed"] == report["summary"]["omlx-baseline"]["completed"] == 1
+
+
+def test_another_checkout_must_have_omlx_core(tiny_home, tmp_path):
+    done = serve_bench(tiny_home, "--against", "omlx", "--against-src", str(tmp_path))
+    assert done.returncode != 0 and f"--against-src {tmp_path}: no src/omlx_core there" in done.stderr
+    alone = serve_bench(tiny_home, "--against-src", str(tmp_path))
+    assert alone.returncode != 0 and "--against-src: the baseline is mlx_lm.server" in alone.stderr

@@ -27,7 +27,10 @@ warm run of the same workload: 2,548).
 variable, the layer above the settings files); `--against omlx` makes the baseline an omlx
 server too, with the `--against-set` settings instead: an A/B of one setting, e.g.
 `--against omlx --set server.prefill_batch=32`; a KEY named MLX_* is an MLX environment
-variable, passed as it is (`--set MLX_CUDA_USE_CUDNN_SDPA=0`). Each omlx server's
+variable, passed as it is (`--set MLX_CUDA_USE_CUDNN_SDPA=0`). `--against-src DIR` runs the
+baseline omlx server from another checkout's code (DIR/src first on its PYTHONPATH): an A/B
+of two commits, e.g. a branch extracted with `git archive BRANCH src kernels | tar -x -C DIR`.
+Each omlx server's
 `omlx_engine_step_seconds` (steps and seconds by phase: decode only, or with admissions'
 prefill) is read from /metrics after its level: the warm-up's steps included.
 
@@ -48,7 +51,7 @@ the first server once, unmeasured, before round 0.
 
     .venv/bin/python scripts/bench/serve.py [--model default] [--concurrency 8] [--requests 32]
         [--ctx 128] [--gen 64] [--rounds 1] [--prime] [--endpoint completions|chat]
-        [--set KEY=VALUE ...] [--against mlx-lm|omlx] [--against-set KEY=VALUE ...] [--json]
+        [--set KEY=VALUE ...] [--against mlx-lm|omlx] [--against-set KEY=VALUE ...] [--against-src DIR] [--json]
 """
 
 import argparse
@@ -262,6 +265,9 @@ def run(args) -> dict:
     logs.mkdir(parents=True, exist_ok=True)
     baseline = baseline_name(args)
     settings = {OMLX: settings_env(args.set, "--set"), baseline: settings_env(args.against_set, "--against-set")}
+    if args.against_src:
+        settings[baseline]["PYTHONPATH"] = os.pathsep.join(
+            [str(args.against_src / "src")] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else []))
     order = [OMLX, baseline] if args.first == OMLX else [baseline, OMLX]
     runs = {OMLX: [], baseline: []}
     sequence = []
@@ -412,6 +418,9 @@ def main() -> None:
                         help="the baseline: mlx_lm.server (default) or omlx with --against-set")
     parser.add_argument("--against-set", action="append", default=[], metavar="KEY=VALUE",
                         help="a setting of the baseline omlx server (repeatable; with --against omlx)")
+    parser.add_argument("--against-src", type=Path, default=None, metavar="DIR",
+                        help="run the baseline omlx server from the checkout DIR (its src/ first on PYTHONPATH; "
+                             "with --against omlx)")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
     parser.add_argument("--startup-timeout", type=float, default=300.0,
                         help="seconds to wait for /health 200")
@@ -431,6 +440,12 @@ def main() -> None:
         parser.error(f"--warmup: {args.warmup} is too small; use 0 or more")
     if args.against_set and args.against != OMLX:
         parser.error("--against-set: the baseline is mlx_lm.server; add --against omlx")
+    if args.against_src:
+        if args.against != OMLX:
+            parser.error("--against-src: the baseline is mlx_lm.server; add --against omlx")
+        args.against_src = args.against_src.resolve()
+        if not (args.against_src / "src" / "omlx_core").is_dir():
+            parser.error(f"--against-src {args.against_src}: no src/omlx_core there; give a checkout's root")
     report = run(args)
     if args.json:
         print(json.dumps(report, indent=2))
