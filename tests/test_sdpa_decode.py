@@ -332,3 +332,27 @@ def test_benchmark_greedy_check_passes_the_reference_and_catches_ignored_padding
     bad = attention.run_greedy(tmp_path, count=12)
     assert [row["agrees"] for row in bad] == [True, False]
     assert bad[1]["differs"][0] is None and not bad[1]["differs"][1]["near_tie"]  # the padded sequence, clearly
+
+
+@pytest.mark.parametrize("arch", sdpa_decode.ARCHITECTURES)
+def test_a_prefill_attends_through_small_attention_as_mlx_lm_does_mocked_cuda(arch, mocked_kernel, monkeypatch):
+    """Prefill on the installed attention: small_attention's unfused form (no cuDNN graph per
+    shape on CUDA), the same logits as mlx-lm's; on a left-padded batch cache too."""
+    from omlx_core.prefill import small_attention
+
+    unfused = []
+    real = small_attention.unfused
+    monkeypatch.setattr(small_attention, "unfused", lambda *a: unfused.append(a[3]) or real(*a))
+    stock, ours = left_padded_logits(tiny_model(arch), sdpa_decode.install)
+    assert len(unfused) == 2  # the prompt's forward, each layer; decode steps take the kernel
+    assert mocked_kernel and len(mocked_kernel) == 4 * 2
+    for a, b in zip(stock, ours):
+        assert mx.allclose(a, b, atol=1e-2, rtol=0)  # as in the decode test of left padding
+    model = tiny_model(arch)
+    prompt = mx.array([[3, 14, 15, 92, 65, 35, 89, 79]] * 2, dtype=mx.int32)
+    from mlx_lm.models.cache import make_prompt_cache
+
+    reference = model(prompt, cache=make_prompt_cache(model))
+    sdpa_decode.install(model)
+    assert mx.array_equal(model(prompt, cache=make_prompt_cache(model)), reference)
+    assert len(unfused) == 4

@@ -35,11 +35,11 @@ THREADS = 128  # four rows (warps) a CTA
 
 
 def reference(attention, queries: mx.array, keys: mx.array, offset) -> tuple[mx.array, mx.array]:
-    """mlx-lm's steps for one token per sequence: per-head norms (if any), the transpose,
-    RoPE at `offset` (an int, or one per sequence)."""
-    batch = queries.shape[0]
-    queries = queries.reshape(batch, 1, attention.n_heads, -1)
-    keys = keys.reshape(batch, 1, attention.n_kv_heads, -1)
+    """mlx-lm's steps for the projected queries and keys [B, L, heads * dim]: per-head norms
+    (if any), the transpose, RoPE from `offset` (an int, or one per sequence)."""
+    batch, length = queries.shape[:2]
+    queries = queries.reshape(batch, length, attention.n_heads, -1)
+    keys = keys.reshape(batch, length, attention.n_kv_heads, -1)
     if "q_norm" in attention:  # qwen3: RMS norm per head (of the last axis: before the transpose or after)
         queries, keys = attention.q_norm(queries), attention.k_norm(keys)
     queries, keys = queries.transpose(0, 2, 1, 3), keys.transpose(0, 2, 1, 3)

@@ -15,7 +15,9 @@ the file's comment).
   slice update copies the whole cache while the previous step still runs.
 - `DecodeAttention`: mlx-lm's llama/qwen2/qwen3 `Attention` whose one-token steps on a
   KVCache or BatchKVCache run the kernel (its forward restated for that case, in three
-  steps: `project`, `attend`, `output`; every other call runs mlx-lm's module itself).
+  steps: `project`, `attend`, `output`). Its prefill on those caches is mlx-lm's forward
+  restated with `small_attention` (a small prefill's attention unfused: no cuDNN graph
+  built for each new shape); every other call runs mlx-lm's module itself.
   `install(model)` replaces those modules by name.
 
 Validated on the H200 for llama-architecture models (scripts/bench/attention.py: exact
@@ -38,6 +40,7 @@ from omlx_core.kernels.qmm_decode import DecodeQuantizedLinear
 from omlx_core.kernels.registry import (HardwareMatch, KernelSpec, ModelMatch, Validation, included_source,
                                         replace_modules)
 from omlx_core.kernels.restated import Restated
+from omlx_core.prefill import small_attention
 from omlx_core.prefill.fast_paths import unwrap
 
 SOURCE = "sdpa_decode.cu"
@@ -232,8 +235,9 @@ def is_attention(module) -> bool:
 
 
 class DecodeAttention(Restated):
-    """mlx-lm's Attention of ARCHITECTURES, its one-token steps on the kernel (a Restated
-    module: every other call runs mlx-lm's forward)."""
+    """mlx-lm's Attention of ARCHITECTURES, its one-token steps on the kernel and its
+    prefill through small_attention (a Restated module: every other call runs mlx-lm's
+    forward)."""
 
     OWN = ("kernel_calls",)
 
@@ -246,15 +250,30 @@ class DecodeAttention(Restated):
     def __call__(self, x: mx.array, mask=None, cache=None, residual: mx.array | None = None) -> mx.array:
         """mlx-lm's forward, plus `residual` if given (decode_block's DecodeBlock passes
         the layer's input: the output projection adds it in its launch where it can)."""
-        if not self.decodes(x, cache):
-            out = self._forward(self, x, mask, cache)
-            return out if residual is None else residual + out
-        return self.decode(x, mask, cache, residual)
+        if self.decodes(x, cache):
+            return self.decode(x, mask, cache, residual)
+        out = self.prefill(x, mask, cache) if self.prefills(cache) else self._forward(self, x, mask, cache)
+        return out if residual is None else residual + out
 
     @staticmethod
     def decodes(x: mx.array, cache) -> bool:
         """One token per sequence on a cache whose keys `attend` reads: the restated case."""
         return x.shape[1] == 1 and type(cache).__name__ in CACHES
+
+    @staticmethod
+    def prefills(cache) -> bool:
+        """Several tokens per sequence on a cache `prefill` updates as mlx-lm does."""
+        return type(cache).__name__ in CACHES
+
+    def prefill(self, x: mx.array, mask, cache) -> mx.array:
+        """mlx-lm's forward for several tokens per sequence, its attention through
+        small_attention (no cuDNN graph built for a small prefill's new shape)."""
+        batch, length, _ = x.shape
+        queries, keys = qk_norm_rope.reference(self, self.q_proj(x), self.k_proj(x), cache.offset)
+        values = self.v_proj(x).reshape(batch, length, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        keys, values = cache.update_and_fetch(keys, values)
+        attended = small_attention.attention(queries, keys, values, self.scale, mask)
+        return self.o_proj(attended.transpose(0, 2, 1, 3).reshape(batch, length, -1))
 
     def decode(self, x: mx.array, mask, cache, residual: mx.array | None = None) -> mx.array:
         """mlx-lm's forward for one token per sequence, in three steps: `project`,
