@@ -356,3 +356,30 @@ def test_a_prefill_attends_through_small_attention_as_mlx_lm_does_mocked_cuda(ar
     sdpa_decode.install(model)
     assert mx.array_equal(model(prompt, cache=make_prompt_cache(model)), reference)
     assert len(unfused) == 4
+
+
+@pytest.mark.parametrize("limit", [0, 1 << 25])
+def test_the_setting_sets_each_attentions_limit_and_0_keeps_mlx_attention_mocked_cuda(limit, mocked_kernel,
+                                                                                     monkeypatch, tmp_path):
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from omlx_core.prefill import small_attention
+    from omlx_core.prefill.fast_paths import install_fast_paths
+    from omlx_core.settings.effective import load_settings
+
+    unfused = []
+    real = small_attention.unfused
+    monkeypatch.setattr(small_attention, "unfused", lambda *a: unfused.append(a[3]) or real(*a))
+    model = tiny_model("qwen3")
+    prompt = mx.array([[3, 14, 15, 92, 65, 35, 89, 79]] * 2, dtype=mx.int32)
+    reference = model(prompt, cache=make_prompt_cache(model))
+    sdpa_decode.install(model)
+    settings = load_settings(tmp_path, cli={"prefill.small_attention_scores": limit, "prefill.dense": "off",
+                                             "compute.upcast_quantized": "off"})
+    report = install_fast_paths(model, settings).as_dict()["small_attention"]
+    assert report["layers"] == 2 and report["max_scores"] == limit
+    assert ("off" in report["reason"]) == (limit == 0)
+    assert all(m.small_scores == limit for _, m in model.named_modules() if isinstance(m, sdpa_decode.DecodeAttention))
+    assert mx.array_equal(model(prompt, cache=make_prompt_cache(model)), reference)  # on the CPU: MLX's fallback
+    assert len(unfused) == (2 if limit else 0)
+    assert sdpa_decode.plain(dict(model.named_modules())["model.layers.0.self_attn"]).__dict__.get("small_scores") is None

@@ -49,8 +49,9 @@ def test_small_scores_go_unfused_and_large_ones_to_mlx(monkeypatch):
     monkeypatch.setattr(mx.fast, "scaled_dot_product_attention",
                         lambda *a, **kw: calls.append("fused") or fused(*a, **kw))
     q, k, v = inputs(mx.bfloat16, 4, 2)
-    assert small_attention.scores_size(q, k) == 2 * 4 * 5 * 9
+    assert small_attention.scores_size(q, k) == 2 * 4 * 5 * 9 <= small_attention.SMALL_SCORES
     small_attention.attention(q, k, v, 0.125)
-    monkeypatch.setattr(small_attention, "SMALL_SCORES", 2 * 4 * 5 * 9 - 1)
-    small_attention.attention(q, k, v, 0.125)
-    assert calls == ["unfused", "fused"]
+    small_attention.attention(q, k, v, 0.125, None, 2 * 4 * 5 * 9)
+    small_attention.attention(q, k, v, 0.125, None, 2 * 4 * 5 * 9 - 1)
+    small_attention.attention(q, k, v, 0.125, None, 0)
+    assert calls == ["unfused", "unfused", "fused", "fused"]

@@ -140,5 +140,6 @@ def _render(report: dict) -> None:
                   f"workers: {', '.join(cluster['workers']) or 'none'}")
     fast = report["fast_paths"]
     console.print("fast paths  " + ", ".join(
-        f"{name.replace('_', '-')} {'on' if path['enabled'] else 'off'} (>= {path['min_tokens']} tokens)"
+        f"{name.replace('_', '-')} {'on' if path['enabled'] else 'off'} "
+        + (f"(<= {path['max_scores']} scores)" if "max_scores" in path else f"(>= {path['min_tokens']} tokens)")
         for name, path in fast.items()))

@@ -107,6 +107,8 @@ def offline_status(home: Path) -> dict:
         "fast_paths": {
             "dequantize_to_dense": {"enabled": dense_enabled(settings), "setting": settings["prefill.dense"],
                                     "min_tokens": settings["prefill.dense_min_tokens"]},
+            "small_attention": {"enabled": settings["prefill.small_attention_scores"] > 0 and info["backend"] == "cuda",
+                                "max_scores": settings["prefill.small_attention_scores"]},
             "chunked_gdn": {"enabled": settings["prefill.chunked_gdn"],
                             "min_tokens": settings["prefill.chunked_gdn_min_tokens"]},
             "float32_quantized": {"enabled": upcast_enabled(settings),

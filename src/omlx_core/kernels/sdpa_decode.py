@@ -239,13 +239,14 @@ class DecodeAttention(Restated):
     prefill through small_attention (a Restated module: every other call runs mlx-lm's
     forward)."""
 
-    OWN = ("kernel_calls",)
+    OWN = ("kernel_calls", small_attention.LIMIT)
 
     def __init__(self, original, prologue: "qk_norm_rope.Prologue | None" = None):
         super().__init__(original)
         object.__setattr__(self, "_locks", {})  # counters per batch size
         object.__setattr__(self, "_prologue", prologue)  # qk_norm_rope's install gives one
         object.__setattr__(self, "kernel_calls", 0)
+        object.__setattr__(self, small_attention.LIMIT, small_attention.SMALL_SCORES)  # prefill: configure()
 
     def __call__(self, x: mx.array, mask=None, cache=None, residual: mx.array | None = None) -> mx.array:
         """mlx-lm's forward, plus `residual` if given (decode_block's DecodeBlock passes
@@ -272,7 +273,7 @@ class DecodeAttention(Restated):
         queries, keys = qk_norm_rope.reference(self, self.q_proj(x), self.k_proj(x), cache.offset)
         values = self.v_proj(x).reshape(batch, length, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
         keys, values = cache.update_and_fetch(keys, values)
-        attended = small_attention.attention(queries, keys, values, self.scale, mask)
+        attended = small_attention.attention(queries, keys, values, self.scale, mask, self.small_scores)
         return self.o_proj(attended.transpose(0, 2, 1, 3).reshape(batch, length, -1))
 
     def decode(self, x: mx.array, mask, cache, residual: mx.array | None = None) -> mx.array:

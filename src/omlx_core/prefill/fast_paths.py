@@ -21,6 +21,9 @@ inputs are computed; decode-sized inputs run mlx-lm's own modules.
   instead of `mx.dequantize`.
 - Chunked gated delta: qwen3_5's linear-attention layers prefill with
   `gated_delta.chunked_gated_delta` instead of the per-token recurrence.
+- Small prefill attention (`small_attention`): the attention modules that prefill through
+  it (sdpa_decode's, on CUDA) get `prefill.small_attention_scores` as their limit: small
+  attention runs unfused, so cuDNN builds no graph for each new admission shape.
 - Float32 quantized compute (`upcast`): on MLX's CPU backend, 16-bit quantized layers
   multiply in float32, prefill and decode alike (MLX's 16-bit CPU kernel is 10-50× slower).
   Installed first, as subclasses of MLX's quantized layers, so the dense path wraps them.
@@ -35,6 +38,7 @@ import mlx.nn as nn
 from omlx_core.kernels.dequantize import dequantize as kernel_dequantize
 from omlx_core.kernels.dequantize import supported as kernel_unsupported
 from omlx_core.memory.peak import peak_extra_bytes
+from omlx_core.prefill import small_attention
 from omlx_core.prefill.gdn_layer import ChunkedGatedDeltaNet
 from omlx_core.prefill.upcast import rehome, upcast_candidates
 
@@ -99,6 +103,8 @@ class FastPathReport:
     reasons: dict = field(default_factory=dict)
 
     upcast_layers: int = 0
+    small_attention_layers: int = 0  # attention modules whose small prefill attention runs unfused
+    small_attention_scores: int = 0  # their limit (prefill.small_attention_scores)
     dense_kernel: bool = False  # the dense weights come from kernels/dequantize.cu
     dense_layer_bytes: int = 0  # measured at install: one call of the largest dense layer
     dense_chunk_bytes: int = 0  # measured at load: a whole prefill chunk, on against off
@@ -119,6 +125,8 @@ class FastPathReport:
                                         "calls": sum(layer.calls for layer in self.dense_layers),
                                         "kernel_layers": sum(layer.kernel for layer in self.dense_layers),
                                         "reason": self.reasons.get("dense", "")},
+                "small_attention": {"layers": self.small_attention_layers, "max_scores": self.small_attention_scores,
+                                    "reason": self.reasons.get("small_attention", "")},
                 "chunked_gdn": {"layers": len(self.gdn_layers), "min_tokens": self.gdn_min_tokens,
                                 "calls": sum(layer.calls for layer in self.gdn_layers),
                                 "reason": self.reasons.get("gdn", "")},
@@ -158,6 +166,13 @@ def install_fast_paths(model, settings, kernels=None) -> FastPathReport:
     else:
         report.reasons["dense"] = ("off: prefill.dense is auto and not measured to win on this backend"
                                    if settings["prefill.dense"] == "auto" else "off: prefill.dense is off")
+    report.small_attention_scores = int(settings["prefill.small_attention_scores"])
+    report.small_attention_layers = small_attention.configure(model, report.small_attention_scores)
+    report.reasons["small_attention"] = (
+        "no attention of this model prefills here (kernels.sdpa_decode's llama/qwen2/qwen3 attention does)"
+        if not report.small_attention_layers else "off: prefill.small_attention_scores is 0"
+        if not report.small_attention_scores else
+        f"prefill attention of at most {report.small_attention_scores} scores runs unfused (no cuDNN graph per shape)")
     if settings["prefill.chunked_gdn"]:
         report.gdn_min_tokens = int(settings["prefill.chunked_gdn_min_tokens"])
         for path, module in list(model.named_modules()):

@@ -13,8 +13,11 @@ larger the scores are, so only attention whose scores hold at most SMALL_SCORES 
 takes it. Larger attention keeps cuDNN's fused kernel, where one graph build is small
 beside the work.
 
-- `attention(queries, keys, values, scale, mask)`: what mx.fast.scaled_dot_product_attention
-  gives, computed unfused where the scores are small.
+- `attention(queries, keys, values, scale, mask, limit)`: what
+  mx.fast.scaled_dot_product_attention gives, computed unfused where the scores hold at most
+  `limit` elements (SMALL_SCORES by default; the setting prefill.small_attention_scores).
+- `configure(model, limit)`: that limit for every attention module of the model that takes
+  one (sdpa_decode's DecodeAttention, whose prefill comes here).
 - `unfused(...)`: the fallback MLX itself runs when cuDNN is off, op for op. On the CPU,
   where MLX always runs its fallback, the two agree bit for bit.
 """
@@ -22,6 +25,7 @@ beside the work.
 import mlx.core as mx
 
 SMALL_SCORES = 1 << 25  # batch x query heads x queries x keys: 32 prompts of 176 tokens, 32 heads
+LIMIT = "small_scores"  # the attribute of a module whose prefill attention comes here
 
 
 def scores_size(queries: mx.array, keys: mx.array) -> int:
@@ -29,10 +33,19 @@ def scores_size(queries: mx.array, keys: mx.array) -> int:
     return batch * heads * length * keys.shape[2]
 
 
-def attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask=None) -> mx.array:
+def configure(model, limit: int) -> int:
+    """Set `limit` on every module of `model` that takes one; how many there are."""
+    modules = [module for _, module in model.named_modules() if hasattr(module, LIMIT)]
+    for module in modules:
+        object.__setattr__(module, LIMIT, int(limit))
+    return len(modules)
+
+
+def attention(queries: mx.array, keys: mx.array, values: mx.array, scale: float, mask=None,
+              limit: int = SMALL_SCORES) -> mx.array:
     """softmax(scale * q k^T + mask) v for q [B, Hq, L, D] and k, v [B, Hkv, T, D]. `mask`:
     None, "causal", or an array (boolean: keep where true; otherwise added to the scores)."""
-    if scores_size(queries, keys) <= SMALL_SCORES:
+    if scores_size(queries, keys) <= limit:
         return unfused(queries, keys, values, scale, mask)
     return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale, mask=mask)
 

@@ -224,6 +224,10 @@ SETTINGS: tuple[Setting, ...] = (
             "Inputs of at least this many tokens take the dequantize-to-dense path (65: right above the "
             "decode kernel's 64; below, MLX's quantized matmul, which CUDA compiles per input shape).",
             minimum=1),
+    Setting("prefill.small_attention_scores", "int", 1 << 25,
+            "A prefill attention whose scores (batch x heads x queries x keys) hold at most this many "
+            "elements runs unfused, so CUDA builds no cuDNN graph for each new prompt batch shape "
+            "(llama/qwen2/qwen3 with kernels.sdpa_decode); 0: MLX's fused attention always.", minimum=0),
     Setting("prefill.chunked_gdn", "bool", True,
             "Prefill gated-delta layers (qwen3_5) in chunks instead of token by token (parity-keeping)."),
     Setting("prefill.chunked_gdn_min_tokens", "count", 64,
