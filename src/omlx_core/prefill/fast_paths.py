@@ -1,7 +1,8 @@
-"""Fast prefill paths that keep parity with the reference: dequantize-to-dense, chunked GDN.
+"""Fast prefill paths that keep parity with the reference: dequantize-to-dense, chunked GDN,
+small attention.
 
-Both are installed by module replacement, like the lanes, and only change how large
-inputs are computed; decode-sized inputs run mlx-lm's own modules.
+The first two are installed by module replacement, like the lanes, and only change how
+large inputs are computed; decode-sized inputs run mlx-lm's own modules.
 
 - Dequantize-to-dense: for an input of at least `prefill.dense_min_tokens` tokens a
   quantized linear dequantizes its weight to the activation dtype and runs the dense GEMM
