@@ -269,12 +269,9 @@ class DecodeAttention(Restated):
     def prefill(self, x: mx.array, mask, cache) -> mx.array:
         """mlx-lm's forward for several tokens per sequence, its attention through
         small_attention (no cuDNN graph built for a small prefill's new shape)."""
-        batch, length, _ = x.shape
-        queries, keys = qk_norm_rope.reference(self, self.q_proj(x), self.k_proj(x), cache.offset)
-        values = self.v_proj(x).reshape(batch, length, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        queries, keys, values = self.project(x, cache.offset)
         keys, values = cache.update_and_fetch(keys, values)
-        attended = small_attention.attention(queries, keys, values, self.scale, mask, self.small_scores)
-        return self.o_proj(attended.transpose(0, 2, 1, 3).reshape(batch, length, -1))
+        return self.output(small_attention.attention(queries, keys, values, self.scale, mask, self.small_scores))
 
     def decode(self, x: mx.array, mask, cache, residual: mx.array | None = None) -> mx.array:
         """mlx-lm's forward for one token per sequence, in three steps: `project`,
@@ -283,16 +280,17 @@ class DecodeAttention(Restated):
         return self.output(self.attend(queries, keys, values, mask, cache), residual)
 
     def project(self, x: mx.array, offset) -> tuple[mx.array, mx.array, mx.array]:
-        """Queries, keys and values of one token per sequence, (batch, heads, 1, dim), the
-        norms and RoPE at `offset` applied: qk_norm_rope's prologue where it takes them."""
-        batch = x.shape[0]
+        """Queries, keys and values of x's tokens, (batch, heads, length, dim), the norms and
+        RoPE from `offset` applied: qk_norm_rope's prologue where it takes them (one token
+        per sequence)."""
+        batch, length, _ = x.shape
         queries, keys, values = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         prologue = self._prologue  # q/k norms and RoPE: one launch where qk_norm_rope takes them
-        if prologue is not None and prologue.takes(self, queries):
+        if prologue is not None and length == 1 and prologue.takes(self, queries):
             queries, keys = prologue(self, queries, keys, offset)
         else:
             queries, keys = qk_norm_rope.reference(self, queries, keys, offset)
-        return queries, keys, values.reshape(batch, 1, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        return queries, keys, values.reshape(batch, length, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
 
     def attend(self, queries: mx.array, keys: mx.array, values: mx.array, mask, cache) -> mx.array:
         """The cache updated with this step's keys and values, and the attention of the
@@ -312,10 +310,10 @@ class DecodeAttention(Restated):
         return launch(queries, keys, values, self.scale, getattr(cache, "left_padding", None), locks, written, rows)
 
     def output(self, attended: mx.array, residual: mx.array | None = None) -> mx.array:
-        """The output projection of `attend`'s heads, plus `residual` if given: added in
-        qmm_decode's launch where the projection is one."""
-        batch = attended.shape[0]
-        attended = attended.transpose(0, 2, 1, 3).reshape(batch, 1, -1)
+        """The output projection of the attended heads (batch, heads, length, dim), plus
+        `residual` if given: added in qmm_decode's launch where the projection is one."""
+        batch, _, length, _ = attended.shape
+        attended = attended.transpose(0, 2, 1, 3).reshape(batch, length, -1)
         if residual is None:
             return self.o_proj(attended)
         o_proj = unwrap(self.o_proj)
