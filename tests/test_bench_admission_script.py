@@ -25,3 +25,16 @@ def test_admission_times_forwards_and_the_steps_that_admit_prompts(tiny_home):
         steps, new = trial["steps"], trial["new"]
         assert steps[0][1] == new  # the new prompts prefill together
         assert steps[-1][2] == 2 + new  # the last step generates for the running and the admitted
+
+
+def test_phases_split_an_admission_step_into_mlx_lm_parts(tiny_home):
+    done = subprocess.run([sys.executable, str(SCRIPT), "--home", str(tiny_home), "--model", TINY,
+                           "--batches", "1", "--tokens", "12", "--repeats", "1", "--running", "2",
+                           "--new", "2", "--trials", "1", "--spread", "0", "--phases", "--json"],
+                          capture_output=True, text=True, timeout=600, env=omlx_env(tiny_home))
+    assert done.returncode == 0, done.stderr
+    steps = json.loads(done.stdout)["admission"][0]["steps"]
+    assert set(steps[0][3]) == {"decode", "prefill"}  # the running batch decodes, the new prompts prefill
+    assert any({"split", "merge"} <= set(parts) for *_, parts in steps[1:])  # later they move to generation
+    for ms, _, _, parts in steps:
+        assert all(v >= 0 for v in parts.values()) and sum(parts.values()) <= ms + 0.5

@@ -17,15 +17,19 @@ L-S..L+S-1 tokens (S = --spread; 0: all of L) are inserted, --trials times for e
 --new, and each step until they all generate is timed: (ms, prompt responses, generation
 responses). A trial's first steps at a new N or L meet new shapes (the split into
 generation decodes the N new sequences on their own, then the merged batch), its repeats
-do not. `--no-clear-cache` makes the MLX `clear_cache` that mlx-lm calls after each
+do not. `--phases` splits each admission step into mlx-lm's parts, each waited for (so
+they no longer overlap): `decode` (the running batch's step), `split` (the prompts moving
+to generation decoded on their own), `merge` (joined to the running batch) and `prefill`
+(the prompt batch's forward). `--no-clear-cache` makes the MLX `clear_cache` that mlx-lm calls after each
 prompt chunk a no-op, to see what it costs.
 
     python scripts/bench/admission.py --model PATH [--home DIR] [--batches 1,8,16,32]
         [--tokens 128[,L...]] [--spread 8] [--running 16] [--new 16[,N...]] [--trials 3]
-        [--no-clear-cache] [--json]
+        [--phases] [--no-clear-cache] [--json]
 """
 
 import argparse
+import contextlib
 import json
 import random
 import time
@@ -42,6 +46,46 @@ def timed_ms(function) -> tuple[float, object]:
     result = function()
     mx.synchronize()
     return (time.perf_counter() - start) * 1000, result
+
+
+# A generator step's parts, as mlx-lm's BatchGenerator calls them (see --phases).
+PHASES = {"decode": ("GenerationBatch", "next"), "split": ("PromptProcessingBatch", "generate"),
+          "merge": ("GenerationBatch", "extend"), "prefill": ("PromptProcessingBatch", "prompt")}
+
+
+@contextlib.contextmanager
+def phase_timers(spent: dict):
+    """Wrap mlx-lm's step parts so that each adds its waited-for ms to `spent[name]`."""
+    import mlx.core as mx
+    import importlib
+
+    generate = importlib.import_module("mlx_lm.generate")  # the module (mlx_lm.generate is also a function)
+
+    originals = []
+
+    def timed(name, method):
+        def wrapper(*args, **kwargs):
+            if depth:  # a part inside another (generate's own prompt) counts in the outer one
+                return method(*args, **kwargs)
+            depth.append(name)
+            try:
+                ms, result = timed_ms(lambda: method(*args, **kwargs))
+            finally:
+                depth.pop()
+            spent[name] = round(spent.get(name, 0.0) + ms, 1)
+            return result
+        return wrapper
+
+    depth: list[str] = []
+    for name, (owner, attribute) in PHASES.items():
+        cls = getattr(generate, owner)
+        originals.append((cls, attribute, getattr(cls, attribute)))
+        setattr(cls, attribute, timed(name, getattr(cls, attribute)))
+    try:
+        yield
+    finally:
+        for cls, attribute, method in originals:
+            setattr(cls, attribute, method)
 
 
 def load(home: str | None, model: str):
@@ -71,7 +115,7 @@ def forwards(model, batches: list[int], lengths: list[int], repeats: int, rng: r
 
 
 def admissions(model, running: int, news: list[int], tokens: int, spread: int, trials: int,
-               rng: random.Random) -> list[dict]:
+               rng: random.Random, phases: bool = False) -> list[dict]:
     from mlx_lm.generate import BatchGenerator
 
     vocab = model.args.vocab_size
@@ -91,8 +135,10 @@ def admissions(model, running: int, news: list[int], tokens: int, spread: int, t
             fresh = set(generator.insert(prompts[running:], max_tokens=[4] * new))
             steps = []
             while True:
-                ms, (prompt_responses, responses) = timed_ms(generator.next)
-                steps.append([round(ms, 1), len(prompt_responses), len(responses)])
+                spent: dict = {}
+                with phase_timers(spent) if phases else contextlib.nullcontext():
+                    ms, (prompt_responses, responses) = timed_ms(generator.next)
+                steps.append([round(ms, 1), len(prompt_responses), len(responses)] + ([spent] if phases else []))
                 if sum(r.uid in fresh for r in responses) == new:
                     break
             generator.remove(list(old | fresh))
@@ -114,7 +160,8 @@ def run(args) -> dict:
     if args.no_clear_cache:
         mx.clear_cache = lambda: None
     try:
-        report["admission"] = admissions(model, args.running, args.new, args.tokens[0], args.spread, args.trials, rng)
+        report["admission"] = admissions(model, args.running, args.new, args.tokens[0], args.spread, args.trials, rng,
+                                         args.phases)
     finally:
         mx.clear_cache = clear_cache
     return report
@@ -132,6 +179,8 @@ def main() -> None:
     parser.add_argument("--new", default="16", help="prompts admitted together, comma-separated: --trials each")
     parser.add_argument("--trials", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--phases", action="store_true",
+                        help="time each admission step's parts (decode, split, merge, prefill), each waited for")
     parser.add_argument("--no-clear-cache", action="store_true", help="mlx-lm's clear_cache a no-op")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
