@@ -111,88 +111,6 @@ __device__ __forceinline__ void mma<__half>(float* c, const uint32_t* a, uint32_
 }
 #undef OMLX_QMM_MMA
 
-// A CTA's [token][channel] sums (`red`, rows BN + 4 floats apart, in shared memory) to
-// the output: with one slice of K per column tile stored as they are; split across CTAs,
-// each CTA publishes its slice's sums and the last CTA of the column tile to finish adds
-// all slices in order (so the result does not depend on which CTA finished last).
-// RES: out = T(product) + residual (M x N), as the decoder adds its residual stream.
-template <typename T, int BN, bool RES>
-__device__ __forceinline__ void store_tile(const float* red, const T* __restrict__ residual, const int32_t* locks,
-                                           T* __restrict__ out, float* __restrict__ partial, int M, int N, int tile) {
-  constexpr int BNP = BN + 4;
-  __shared__ int last_arrival;
-  const int splits = gridDim.y, split = blockIdx.y;
-  const int col0 = tile * BN;
-  const int width = min(BN, N - col0);
-  // The output in T; with RES plus the residual, one more rounding as MLX's separate add.
-  auto store = [&](int m, int col, float value) {
-    const size_t at = (size_t)m * N + col;
-    if constexpr (RES) {
-      out[at] = from_float<T>(rounded<T>(value) + to_float(residual[at]));
-    } else {
-      out[at] = from_float<T>(value);
-    }
-  };
-  if (splits == 1) {
-    for (int idx = threadIdx.x; idx < M * BN; idx += blockDim.x) {
-      const int m = idx / BN, c = idx - m * BN;
-      if (c < width) store(m, col0 + c, red[m * BNP + c]);
-    }
-    return;
-  }
-
-  for (int idx = threadIdx.x; idx < M * BN; idx += blockDim.x) {
-    const int m = idx / BN, c = idx - m * BN;
-    if (c < width) partial[((size_t)split * M + m) * N + col0 + c] = red[m * BNP + c];
-  }
-  __threadfence();
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    const int before = atomicAdd(const_cast<int32_t*>(locks) + tile, 1);
-    last_arrival = before == splits - 1;
-  }
-  __syncthreads();
-  if (!last_arrival) return;
-  __threadfence();
-  // Each output adds the slices in order (a result that does not depend on which CTA came
-  // last). A thread takes OUTS outputs at once and loads four slices of each before adding:
-  // 4 * OUTS loads in flight from L2. With four (one output at a time) the loads of the sum
-  // were a quarter of the 64-token kernel's stall samples on an H100
-  // (docs/benchmarks/decode-h100-profile.json).
-  constexpr int OUTS = 4;
-  const size_t stride = (size_t)M * N;
-  for (int base = threadIdx.x; base < M * BN; base += OUTS * blockDim.x) {
-    const float* p[OUTS];
-    bool live[OUTS];
-    float sum[OUTS];
-#pragma unroll
-    for (int o = 0; o < OUTS; ++o) {
-      const int idx = base + o * blockDim.x, m = idx / BN, c = idx - m * BN;
-      live[o] = idx < M * BN && c < width;
-      p[o] = partial + (size_t)(live[o] ? m : 0) * N + col0 + (live[o] ? c : 0);
-      sum[o] = 0.0f;
-    }
-    for (int s = 0; s < splits; s += 4) {
-      float v[4][OUTS];
-#pragma unroll
-      for (int q = 0; q < 4; ++q)
-#pragma unroll
-        for (int o = 0; o < OUTS; ++o) v[q][o] = live[o] && s + q < splits ? __ldcg(p[o] + (s + q) * stride) : 0.0f;
-#pragma unroll
-      for (int q = 0; q < 4; ++q)
-#pragma unroll
-        for (int o = 0; o < OUTS; ++o)
-          if (s + q < splits) sum[o] += v[q][o];
-    }
-#pragma unroll
-    for (int o = 0; o < OUTS; ++o) {
-      const int idx = base + o * blockDim.x, m = idx / BN, c = idx - m * BN;
-      if (live[o]) store(m, col0 + c, sum[o]);
-    }
-  }
-  if (threadIdx.x == 0) atomicExch(const_cast<int32_t*>(locks) + tile, 0);
-}
-
 // Template parameters:
 //   NT  token tiles of 8 (M <= 8 * NT)      R   16-row tiles per warp
 //   WR  warps along N in a CTA              WK  warps along K in a CTA
@@ -219,6 +137,7 @@ __device__ __forceinline__ void qmm_decode(
   constexpr int BNP = BN + 4;      // padded row of the reduction buffer (no bank conflicts)
   constexpr int V = BITS / 4;      // 16-byte loads per thread, row and block (32 inputs)
   extern __shared__ uint4 smem[];
+  __shared__ int last_arrival;
 
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;  // mma fragment coordinates
@@ -412,185 +331,77 @@ __device__ __forceinline__ void qmm_decode(
     __syncthreads();
   }
 
-  store_tile<T, BN, RES>(red, residual, locks, out, partial, M, N, tile);
-}
-
-// cp.async: 16 bytes (weights and x: L2 only, no L1 allocation) or BYTES = 4 / 8 (scales).
-__device__ __forceinline__ void copy_async16(void* dst, const void* src) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(static_cast<uint32_t>(__cvta_generic_to_shared(dst))),
-               "l"(src));
-}
-template <int BYTES> __device__ __forceinline__ void copy_async(void* dst, const void* src) {
-  if constexpr (BYTES == 16) {
-    copy_async16(dst, src);
-  } else {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], %2;" ::"r"(static_cast<uint32_t>(__cvta_generic_to_shared(dst))),
-                 "l"(src), "n"(BYTES));
-  }
-}
-__device__ __forceinline__ void copy_commit() { asm volatile("cp.async.commit_group;"); }
-template <int PENDING> __device__ __forceinline__ void copy_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(PENDING)); }
-
-// The pipelined form (4-bit weights, K a multiple of 256): a CTA walks its slice of K in
-// chunks of 256 inputs, ST chunks in flight at once, each copied straight into shared
-// memory with cp.async (its weight rows, their scales and biases, and the M rows of x), so
-// the bytes a CTA keeps in flight are bounded by shared memory, not by registers, and x
-// arrives chunk by chunk beside the weights instead of all before them (the prologue was
-// 40-56% of the register form's stall samples at 8-32 tokens: decode-h100-profile.json).
-// Every warp takes all 256 inputs of a chunk for its own R row tiles (no K-warps, no
-// reduction across warps). x lands in its own order, so a thread permutes its 16-byte unit
-// of 8 inputs into the B fragments (4 PRMT, shared by the R row tiles). Both tiles are
-// XOR-swizzled by 16-byte unit so that the fragment reads are free of bank conflicts:
-// weights by row parity (rows 128 bytes apart), x by token parity and the thread's t.
-// Template parameters: NT, R, WR as the register form; ST chunks in flight.
-template <typename T, int GS, int NT, int R, int WR, int ST, bool RES>
-__device__ __forceinline__ void qmm_pipe(
-    const T* __restrict__ x, const uint32_t* __restrict__ w, const T* __restrict__ scales,
-    const T* __restrict__ biases, const T* __restrict__ residual, const int32_t* locks, T* __restrict__ out,
-    float* __restrict__ partial, int M, int K, int N, int tile) {
-  static_assert(GS == 32 || GS == 64 || GS == 128, "group size 32, 64 or 128");
-  static_assert(ST >= 2, "two chunks in flight at least");
-  constexpr int BK = 256;             // inputs of a chunk
-  constexpr int BN = 16 * R * WR;     // output channels of one CTA
-  constexpr int BNP = BN + 4;
-  constexpr int UW = BK / 32;         // 16-byte units of a weight row in a chunk
-  constexpr int UX = BK / 8;          // 16-byte units of a token's x in a chunk
-  constexpr int GP = BK / GS;         // groups of a row in a chunk
-  constexpr int SB = GP * sizeof(T);  // bytes of a row's scales (or biases) in a chunk
-  constexpr int W_UNITS = BN * UW, X_UNITS = 8 * NT * UX;
-  constexpr int STAGE = (W_UNITS + X_UNITS) * 16 + 2 * BN * SB;
-  constexpr int THREADS = 32 * WR;
-  extern __shared__ uint4 smem[];
-  char* const stages = reinterpret_cast<char*>(smem);
-
-  const int lane = threadIdx.x & 31, wr = threadIdx.x >> 5;
-  const int g = lane >> 2, t = lane & 3;
-  const int splits = gridDim.y, split = blockIdx.y;
-  const int chunks = K / BK;
-  const int per_cta = (chunks + splits - 1) / splits;
-  const int first = split * per_cta;
-  const int own = max(0, min(per_cta, chunks - first));
-  const int row0 = tile * BN;
-  const size_t row_words = (size_t)K / 8;
-  const int groups = K / GS;
-
-  // Chunk c of this CTA's slice into stage s. Rows past N are not copied: an mma output
-  // row depends on its own A row alone, and those outputs are never stored (so are x's
-  // rows past M, for the output columns).
-  auto issue = [&](int c, int s) {
-    char* st = stages + s * STAGE;
-    uint4* ws = reinterpret_cast<uint4*>(st);
-    uint4* xs = ws + W_UNITS;
-    char* ss = st + (W_UNITS + X_UNITS) * 16;
-    const int k0 = (first + c) * BK;
-#pragma unroll 4
-    for (int i = threadIdx.x; i < W_UNITS; i += THREADS) {
-      const int row = i / UW, u = i % UW;
-      if (row0 + row < N)
-        copy_async16(ws + row * UW + (u ^ ((row & 1) << 2)), w + (row0 + row) * row_words + k0 / 8 + u * 4);
-    }
-    for (int i = threadIdx.x; i < M * UX; i += THREADS) {
-      const int m = i / UX, u = i % UX;
-      copy_async16(xs + m * UX + (u ^ (((u >> 3) & 1) << 1) ^ (m & 1)), x + (size_t)m * K + k0 + u * 8);
-    }
-    for (int i = threadIdx.x; i < 2 * BN; i += THREADS) {
-      const int row = i % BN;
-      const T* src = i < BN ? scales : biases;
-      if (row0 + row < N) copy_async<SB>(ss + i * SB, src + (size_t)(row0 + row) * groups + k0 / GS);
+  const int col0 = tile * BN;
+  const int width = min(BN, N - col0);
+  // The output in T; with RES plus the residual, one more rounding as MLX's separate add.
+  auto store = [&](int m, int col, float value) {
+    const size_t at = (size_t)m * N + col;
+    if constexpr (RES) {
+      out[at] = from_float<T>(rounded<T>(value) + to_float(residual[at]));
+    } else {
+      out[at] = from_float<T>(value);
     }
   };
-
-  float acc[R][NT][4];
-#pragma unroll
-  for (int r = 0; r < R; ++r)
-#pragma unroll
-    for (int n = 0; n < NT; ++n)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) acc[r][n][e] = 0.0f;
-
-  using T2 = typename Pair<T>::type;
-  auto compute = [&](int s) {
-    const char* st = stages + s * STAGE;
-    const uint4* ws = reinterpret_cast<const uint4*>(st);
-    const uint4* xs = ws + W_UNITS;
-    const T* ss = reinterpret_cast<const T*>(st + (W_UNITS + X_UNITS) * 16);
-    const T* bs = ss + BN * GP;
-#pragma unroll
-    for (int blk = 0; blk < BK / 128; ++blk) {
-      uint4 wv[R][2];
-      uint32_t s2[R][2], b2[R][2];
-      const int grp = (blk * 128 + t * 32) / GS;
-#pragma unroll
-      for (int r = 0; r < R; ++r)
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int row = wr * 16 * R + r * 16 + g + 8 * h;
-          wv[r][h] = ws[row * UW + ((blk * 4 + t) ^ ((row & 1) << 2))];
-          const T sc = ss[row * GP + grp], bi = bs[row * GP + grp];
-          s2[r][h] = bits_of(T2(sc, sc));
-          b2[r][h] = bits_of(T2(bi, bi));
-        }
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        uint32_t b[NT][4];
-#pragma unroll
-        for (int n = 0; n < NT; ++n) {
-          const int m = n * 8 + g, u = blk * 16 + t * 4 + j;
-          const uint4 v = xs[m * UX + (u ^ (((u >> 3) & 1) << 1) ^ (m & 1))];
-          b[n][0] = __byte_perm(v.x, v.z, 0x5410);  // inputs (0, 4): the pairs dequant4 makes
-          b[n][1] = __byte_perm(v.x, v.z, 0x7632);  // (1, 5)
-          b[n][2] = __byte_perm(v.y, v.w, 0x5410);  // (2, 6)
-          b[n][3] = __byte_perm(v.y, v.w, 0x7632);  // (3, 7)
-        }
-#pragma unroll
-        for (int r = 0; r < R; ++r) {
-          uint32_t a0[4], a1[4];
-#pragma unroll
-          for (int h = 0; h < 2; ++h) {
-            const uint32_t word = word_of(wv[r][h], j);
-            a0[h] = dequant4<T>(word, 0, s2[r][h], b2[r][h]);
-            a0[2 + h] = dequant4<T>(word, 4, s2[r][h], b2[r][h]);
-            a1[h] = dequant4<T>(word, 8, s2[r][h], b2[r][h]);
-            a1[2 + h] = dequant4<T>(word, 12, s2[r][h], b2[r][h]);
-          }
-#pragma unroll
-          for (int n = 0; n < NT; ++n) {
-            mma<T>(acc[r][n], a0, b[n][0], b[n][1]);
-            mma<T>(acc[r][n], a1, b[n][2], b[n][3]);
-          }
-        }
-      }
+  if (splits == 1) {
+    for (int idx = threadIdx.x; idx < M * BN; idx += blockDim.x) {
+      const int m = idx / BN, c = idx - m * BN;
+      if (c < width) store(m, col0 + c, red[m * BNP + c]);
     }
-  };
-
-#pragma unroll
-  for (int s = 0; s < ST - 1; ++s) {
-    if (s < own) issue(s, s);
-    copy_commit();
+    return;
   }
-  for (int c = 0; c < own; ++c) {
-    copy_wait<ST - 2>();  // chunk c has landed (this thread's copies)
-    __syncthreads();      // ... every thread's; and every warp is past chunk c - 1
-    if (c + ST - 1 < own) issue(c + ST - 1, (c + ST - 1) % ST);  // into chunk c - 1's stage
-    copy_commit();
-    compute(c % ST);
-  }
-  copy_wait<0>();
-  __syncthreads();  // the stages are free: the sums take their place
 
-  float* red = reinterpret_cast<float*>(smem);
-#pragma unroll
-  for (int r = 0; r < R; ++r)
-#pragma unroll
-    for (int n = 0; n < NT; ++n)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int channel = wr * 16 * R + r * 16 + g + 8 * (e >> 1);
-        const int token = n * 8 + 2 * t + (e & 1);
-        red[token * BNP + channel] = acc[r][n][e];
-      }
+  // Split K across CTAs: publish this slice's sums; the last CTA of the row tile adds all
+  // slices in order (so the result does not depend on which CTA finished last).
+  for (int idx = threadIdx.x; idx < M * BN; idx += blockDim.x) {
+    const int m = idx / BN, c = idx - m * BN;
+    if (c < width) partial[((size_t)split * M + m) * N + col0 + c] = red[m * BNP + c];
+  }
+  __threadfence();
   __syncthreads();
-  store_tile<T, BN, RES>(red, residual, locks, out, partial, M, N, tile);
+  if (threadIdx.x == 0) {
+    const int before = atomicAdd(const_cast<int32_t*>(locks) + tile, 1);
+    last_arrival = before == splits - 1;
+  }
+  __syncthreads();
+  if (!last_arrival) return;
+  __threadfence();
+  // Each output adds the slices in order (a result that does not depend on which CTA came
+  // last). A thread takes OUTS outputs at once and loads four slices of each before adding:
+  // 4 * OUTS loads in flight from L2. With four (one output at a time) the loads of the sum
+  // were a quarter of the 64-token kernel's stall samples on an H100
+  // (docs/benchmarks/decode-h100-profile.json).
+  constexpr int OUTS = 4;
+  const size_t stride = (size_t)M * N;
+  for (int base = threadIdx.x; base < M * BN; base += OUTS * blockDim.x) {
+    const float* p[OUTS];
+    bool live[OUTS];
+    float sum[OUTS];
+#pragma unroll
+    for (int o = 0; o < OUTS; ++o) {
+      const int idx = base + o * blockDim.x, m = idx / BN, c = idx - m * BN;
+      live[o] = idx < M * BN && c < width;
+      p[o] = partial + (size_t)(live[o] ? m : 0) * N + col0 + (live[o] ? c : 0);
+      sum[o] = 0.0f;
+    }
+    for (int s = 0; s < splits; s += 4) {
+      float v[4][OUTS];
+#pragma unroll
+      for (int q = 0; q < 4; ++q)
+#pragma unroll
+        for (int o = 0; o < OUTS; ++o) v[q][o] = live[o] && s + q < splits ? __ldcg(p[o] + (s + q) * stride) : 0.0f;
+#pragma unroll
+      for (int q = 0; q < 4; ++q)
+#pragma unroll
+        for (int o = 0; o < OUTS; ++o)
+          if (s + q < splits) sum[o] += v[q][o];
+    }
+#pragma unroll
+    for (int o = 0; o < OUTS; ++o) {
+      const int idx = base + o * blockDim.x, m = idx / BN, c = idx - m * BN;
+      if (live[o]) store(m, col0 + c, sum[o]);
+    }
+  }
+  if (threadIdx.x == 0) atomicExch(const_cast<int32_t*>(locks) + tile, 0);
 }
 
 // S linears of one input in one launch (q/k/v, or gate/up): segment s has its own weights,
@@ -599,16 +410,14 @@ __device__ __forceinline__ void qmm_pipe(
 // `locks`, and its partials, gridDim.y * M * N[s] floats per segment, one after another).
 // One launch instead of S: a decode step pays the host for every launch, and each launch's
 // ramp and tail on the GPU.
-// RES (see qmm_decode) takes one segment: an output projection. ST > 0: the pipelined form
-// (qmm_pipe, ST chunks in flight), else the register form.
+// RES (see qmm_decode) takes one segment: an output projection.
 template <typename T, int BITS, int GS, int NT, int R, int WR, int WK, int U, int KC, int S, int SL,
-          bool RES = false, int ST = 0>
+          bool RES = false>
 __device__ __forceinline__ void qmm_decode_segments(
     const T* __restrict__ x, const uint32_t* const (&w)[S], const T* const (&scales)[S],
     const T* const (&biases)[S], const int (&N)[S], const T* residual, const int32_t* locks,
     T* const (&out)[S], float* partial, int M, int K) {
   static_assert(S == 1 || !RES, "a residual takes one linear");
-  static_assert(ST == 0 || BITS == 4, "the pipelined form reads 4-bit weights");
   constexpr int BN = 16 * R * WR;
   // Every index below is a constant once unrolled: the pointers stay in registers.
   int tile = blockIdx.x;
@@ -632,11 +441,7 @@ __device__ __forceinline__ void qmm_decode_segments(
     }
   }
   if (!found) return;  // never for a grid of the segments' tiles
-  if constexpr (ST > 0) {
-    qmm_pipe<T, GS, NT, R, WR, ST, RES>(x, ws, ss, bs, residual, lk, os, part, M, K, n, tile);
-  } else {
-    qmm_decode<T, BITS, GS, NT, R, WR, WK, U, KC, SL, RES>(x, ws, ss, bs, residual, lk, os, part, M, K, n, tile);
-  }
+  qmm_decode<T, BITS, GS, NT, R, WR, WK, U, KC, SL, RES>(x, ws, ss, bs, residual, lk, os, part, M, K, n, tile);
 }
 
 }  // namespace omlx_qmm

@@ -341,35 +341,6 @@ def test_kernel_compiles_for_sm90_within_its_register_budget(tmp_path, tokens, b
     assert frame <= 16 * math.ceil(spilled / 16)  # no local arrays: the frame holds the spills alone
 
 
-
-@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
-@pytest.mark.parametrize("tiles,shape,group,split,segments,residual", [
-    (1, ("pipe", 1, 4, 4, 4096, 3), 64, True, 1, False), (4, ("pipe", 2, 4, 3, 4096, 2), 32, True, 2, False),
-    (4, ("pipe", 1, 4, 3, 4096, 2), 128, False, 1, True), (8, ("pipe", 1, 4, 3, 4096, 2), 64, True, 1, True)])
-def test_pipelined_form_compiles_for_sm90_without_spills(tmp_path, tiles, shape, group, split, segments, residual):
-    config = qmm_decode.config_of(tiles, shape)
-    assert config.stages == shape[3] and config.warps_k == 1 and config.shared_bytes * config.per_sm <= 228 * 1024
-    source = tmp_path / "k.cu"
-    source.write_text(qmm_decode.generated_source(config, mx.bfloat16, 4, group, split, segments=segments,
-                                                  residual=residual))
-    done = subprocess.run(["nvcc", "-arch=sm_90a", "-cubin", "-Xptxas", "-v", "-o", str(tmp_path / "k.cubin"),
-                           str(source)], capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert int(re.search(r"(\d+) bytes spill stores", done.stderr).group(1)) == 0
-    assert int(re.search(r"Used (\d+) registers", done.stderr).group(1)) <= 65536 // (config.threads * config.per_sm)
-
-
-def test_pipelined_form_takes_4_bit_layers_of_whole_chunks_only():
-    config = qmm_decode.config_of(4, ("pipe", 1, 4, 3, 4096, 2))
-    assert config.fits(4096, 4) and config.fits(1280, 4)
-    assert not config.fits(1088, 4) and not config.fits(4096, 8)
-    assert qmm_decode.config_of(4, (1, 4, 2, 1, 1024, 3, 8)).fits(1088, 8)  # the register form takes any
-    # K is split in whole chunks: 16 chunks of 4096 inputs, at most one slice per chunk
-    assert config.splits(4096, 4096) <= 16 and config.splits(4096, 256) == 1
-    if qmm_decode.kernel_available() == "":
-        with pytest.raises(OmlxError, match="pipelined form"):
-            qmm_decode.launch_for((4096,), 1088, 32, mx.bfloat16, 4, 64, config)
-
 # -- the dense copy ----------------------------------------------------------------------------
 
 def test_dense_copy_leaves_other_quantized_subclasses_alone(tiny_path, home):

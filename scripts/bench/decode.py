@@ -184,7 +184,7 @@ def run_exact(matmul, cases=None, quick: bool = False, sweep: bool = False) -> d
     sweep = matmul is qmm_decode.quantized_matmul_decode and (sweep or not quick)  # the shapes the sweep times
     for config in {c for m in (1, 9, 17, 33) for c in sweep_configs(m)} if sweep else ():
         for ctas in CTAS:
-            for k, n in ((k, n) for k, n in ((1088, 1001), (1280, 1001), (4096, 4096)) if config.fits(k, 4)):
+            for k, n in ((1088, 1001), (4096, 4096)):
                 layer = quantized_layer(k, n, 4, 64, seed=n)
                 for m in {1, 8 * config.tiles - 5, 8 * config.tiles}:
                     row = exact_row(matmul, layer, 4, 64, mx.bfloat16, k, n, m, not quick or m < 8, config=config,
@@ -505,8 +505,6 @@ def mlp_tail(up_step, down_layers, residual: bool):
 
 def config_label(config) -> str:
     c = config
-    if c.stages:
-        return f"t{c.tiles} r{c.rows} n{c.warps_n} pipe{c.stages} c{c.slice_k} o{c.occupancy} ctas{c.ctas}"
     return (f"t{c.tiles} r{c.rows} n{c.warps_n} k{c.warps_k} u{c.rounds} c{c.slice_k} o{c.occupancy}"
             + f" l{c.loads_in_flight} ctas{c.ctas}")
 
@@ -578,22 +576,15 @@ def layers_child(tokens, repeats: int, quick: bool, sweep: bool, out: Path, call
 
 # -- kernels (GPU time per kernel under ncu) ------------------------------------------------
 
-PIPES = {  # the pipelined form's candidates: ("pipe", R, WR, ST, KC, occupancy)
-    1: [("pipe", 1, 4, 4, 4096, 3), ("pipe", 2, 4, 4, 4096, 2), ("pipe", 1, 8, 4, 4096, 2), ("pipe", 1, 4, 6, 4096, 2)],
-    2: [("pipe", 1, 4, 4, 4096, 2), ("pipe", 2, 4, 3, 4096, 2), ("pipe", 1, 8, 3, 4096, 2)],
-    4: [("pipe", 1, 4, 3, 4096, 2), ("pipe", 2, 4, 3, 4096, 2), ("pipe", 1, 8, 3, 4096, 2), ("pipe", 2, 2, 4, 4096, 2)],
-    8: [("pipe", 1, 4, 3, 4096, 2), ("pipe", 2, 4, 2, 4096, 2), ("pipe", 1, 8, 2, 4096, 2)],
-}
-SWEEP = {  # (R, WR, WK, U, KC, occupancy[, SL]) or ("pipe", R, WR, ST, KC, occupancy) per token
-    # bucket; the default (DEFAULTS) is first
+SWEEP = {  # (R, WR, WK, U, KC, occupancy[, SL]) per token bucket; the default (DEFAULTS) is first
     1: [(1, 2, 4, 2, 4096, 3), (1, 8, 1, 2, 1024, 2), (1, 8, 1, 1, 1024, 4), (1, 4, 2, 2, 2048, 2),
-        (1, 8, 1, 2, 2048, 2), (1, 2, 4, 2, 4096, 3, 4)] + PIPES[1],
+        (1, 8, 1, 2, 2048, 2), (1, 2, 4, 2, 4096, 3, 4)],
     2: [(1, 4, 2, 2, 1024, 2, 8), (1, 4, 2, 2, 1024, 2, 2), (1, 4, 2, 2, 1024, 2, 4),
-        (2, 2, 2, 1, 1024, 3, 8), (1, 8, 1, 1, 2048, 2, 8)] + PIPES[2],
+        (2, 2, 2, 1, 1024, 3, 8), (1, 8, 1, 1, 2048, 2, 8)],
     4: [(1, 4, 2, 1, 1024, 3, 8), (1, 4, 2, 1, 1024, 3, 2), (1, 4, 2, 1, 1024, 3, 4),
-        (2, 2, 2, 1, 1024, 3, 8), (1, 8, 1, 1, 512, 2, 8), (2, 4, 1, 1, 1024, 2, 8)] + PIPES[4],
+        (2, 2, 2, 1, 1024, 3, 8), (1, 8, 1, 1, 512, 2, 8), (2, 4, 1, 1, 1024, 2, 8)],
     8: [(1, 8, 1, 1, 512, 2, 8), (1, 8, 1, 1, 512, 2, 2), (1, 8, 1, 1, 512, 2, 4),
-        (1, 4, 1, 1, 512, 3, 8), (1, 4, 2, 1, 512, 2, 8), (1, 8, 1, 1, 1024, 1, 8)] + PIPES[8],
+        (1, 4, 1, 1, 512, 3, 8), (1, 4, 2, 1, 512, 2, 8), (1, 8, 1, 1, 1024, 1, 8)],
 }
 CTAS = (qmm_decode.SMS, qmm_decode.SMS * 2, qmm_decode.SMS * 4)
 

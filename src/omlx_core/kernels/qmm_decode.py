@@ -51,7 +51,6 @@ MIN_TOKENS = 2
 VALIDATED: tuple = tuple((bits, group, mx.bfloat16) for bits in BITS for group in GROUP_SIZES)
 ALL_FORMATS = tuple((bits, group, dtype) for bits in BITS for group in GROUP_SIZES for dtype in DTYPES)
 SMS = 132  # H200 multiprocessors: the CTA count the split of K aims at
-PIPE_CHUNK = 256  # inputs of the pipelined form's chunk (kernels/qmm_decode.cu, qmm_pipe)
 
 
 @dataclass(frozen=True)
@@ -67,7 +66,6 @@ class Config:
     ctas: int = SMS  # the split of K aims at least at this many CTAs
     occupancy: int = 4  # most CTAs an SM holds: the register budget of the launch bounds
     stage_loads: int = 0  # SL: x loads a thread has in flight while staging (0: by block size)
-    stages: int = 0  # ST: the pipelined form with this many chunks in flight (0: the register form)
 
     @property
     def loads_in_flight(self) -> int:
@@ -83,24 +81,9 @@ class Config:
         return 16 * self.rows * self.warps_n
 
     @property
-    def block_k(self) -> int:
-        """Inputs of the unit K is split in: a 128-input block, or the pipelined form's chunk."""
-        return PIPE_CHUNK if self.stages else 128
-
-    def fits(self, k: int, bits: int) -> bool:
-        """Whether this shape computes a layer of `k` inputs and `bits`-bit weights (the
-        pipelined form reads 4 bits, K in whole chunks)."""
-        return not self.stages or (bits == 4 and k % PIPE_CHUNK == 0)
-
-    @property
     def shared_bytes(self) -> int:
-        """Staged x (the pipelined form: its stages, scales sized for the smallest group),
-        then the sums in its place."""
-        if self.stages:
-            staged = self.stages * ((self.block_n * PIPE_CHUNK // 32 + 8 * self.tiles * PIPE_CHUNK // 8) * 16
-                                    + 2 * self.block_n * 16)
-        else:
-            staged = 8 * self.tiles * self.slice_k * 2
+        """Staged x, then the sums in its place."""
+        staged = 8 * self.tiles * self.slice_k * 2
         reduced = 8 * self.tiles * (self.block_n + 4) * 4
         return max(staged, reduced)
 
@@ -117,15 +100,15 @@ class Config:
     def splits(self, n: int, k: int) -> int:
         """CTAs along K: each slice fits `slice_k`, and the grid reaches `ctas` CTAs when
         the layer has enough blocks for every K-warp."""
-        blocks = math.ceil(k / self.block_k)
-        fit = math.ceil(blocks / max(1, self.slice_k // self.block_k))
+        blocks = math.ceil(k / 128)
+        fit = math.ceil(blocks / (self.slice_k // 128))
         wanted = math.ceil(self.ctas / self.columns(n))
         return max(fit, min(wanted, max(1, blocks // self.warps_k)))
 
     def name(self, dtype: mx.Dtype, bits: int, group_size: int) -> str:
         return (f"omlx_qmm_{SHORT[dtype]}_b{bits}_g{group_size}_t{self.tiles}_r{self.rows}"
                 f"_n{self.warps_n}_k{self.warps_k}_u{self.rounds}_c{self.slice_k}_o{self.per_sm}"
-                + (f"_l{self.stage_loads}" if self.stage_loads else "") + (f"_p{self.stages}" if self.stages else ""))
+                + (f"_l{self.stage_loads}" if self.stage_loads else ""))
 
 
 def tiles_for(tokens: int) -> int:
@@ -164,11 +147,7 @@ def default_config(tokens: int, bits: int) -> Config:
 
 
 def config_of(tiles: int, shape: tuple, bits: int = 4) -> Config:
-    """The Config of a launch shape (R, WR, WK, U, KC, occupancy[, SL]) for `tiles` token
-    tiles; ("pipe", R, WR, ST, KC, occupancy): the pipelined form."""
-    if shape[0] == "pipe":
-        _, rows, warps_n, stages, slice_k, occupancy = shape
-        return Config(tiles, rows, warps_n, 1, 1, slice_k, occupancy=occupancy, stages=stages)
+    """The Config of a launch shape (R, WR, WK, U, KC, occupancy[, SL]) for `tiles` token tiles."""
     rows, warps_n, warps_k, rounds, slice_k, occupancy, *rest = shape
     if bits == 8:
         rounds, occupancy = 1, min(occupancy, 2)
@@ -240,7 +219,7 @@ def body(config: Config, dtype: mx.Dtype, bits: int, group_size: int, split: boo
             f"{t}* os[] = {{{', '.join(out)}}};\n"
             f"omlx_qmm::qmm_decode_segments<{t}, {bits}, {group_size}, {c.tiles}, {c.rows}, {c.warps_n}, "
             f"{c.warps_k}, {c.rounds}, {c.slice_k}, {segments}, {c.loads_in_flight}, "
-            f"{str(residual).lower()}, {c.stages}>(x, ws, ss, bs, ns, "
+            f"{str(residual).lower()}>(x, ws, ss, bs, ns, "
             f"{'residual' if residual else 'nullptr'}, {'locks' if split else 'nullptr'}, os, "
             f"{'partial' if split else 'nullptr'}, M, x_shape[x_ndim - 1]);")
 
@@ -354,9 +333,6 @@ def launch_for(ns: tuple, k: int, tokens: int, dtype: mx.Dtype, bits: int, group
     config = config or default_config(tokens, bits)
     if 8 * config.tiles < tokens:
         raise OmlxError(f"qmm_decode: config for {8 * config.tiles} tokens given {tokens}")
-    if not config.fits(k, bits):
-        raise OmlxError(f"qmm_decode: the pipelined form computes 4-bit layers of K a multiple of {PIPE_CHUNK}, "
-                        f"not {bits}-bit, K {k}")
     splits = config.splits(sum(ns), k)
     split = splits > 1
     return Launch(_kernel(config, dtype, bits, group_size, split, len(ns), residual),
