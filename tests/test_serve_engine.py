@@ -15,12 +15,14 @@ from omlx_core.serve.scheduler import Scheduler
 PROMPTS = 4
 
 
-def prefill_steps(home, prefill_batch: int, chunk_size: int = 2048, prompt_tokens: int = 4) -> float:
+def prefill_steps(home, prefill_batch: int, prefill_tokens: int = 4096, prompt_tokens: int = 4,
+                  chunk_size: int = 2048) -> float:
     """Engine steps that prefilled, for PROMPTS requests queued before the engine starts
     (so all are admitted in its first pass)."""
     guard = MemoryGuard(total_bytes=64 * 2**30)
     registry = ModelRegistry(home, [TINY], guard, cli_settings={
-        "server.prefill_batch": prefill_batch, "prefill.chunk_size": chunk_size, "server.warmup": False})
+        "server.prefill_batch": prefill_batch, "server.prefill_tokens": prefill_tokens,
+        "prefill.chunk_size": chunk_size, "server.warmup": False})
     metrics = ServerMetrics()
     engine = Engine(registry, Scheduler(guard, max_running=PROMPTS, max_waiting=PROMPTS), guard, metrics)
     requests = [Request(TINY, [5 + i] * prompt_tokens, max_tokens=2, temperature=0.0) for i in range(PROMPTS)]
@@ -44,10 +46,27 @@ def test_admitted_prompts_prefill_server_prefill_batch_at_a_time(tiny_home, pref
     assert prefill_steps(tiny_home, prefill_batch) == groups + 1
 
 
-@pytest.mark.parametrize("chunk_size, groups", [(64, 1), (32, 2), (16, 4)])
-def test_a_prefill_step_holds_the_prompts_that_fit_prefill_chunk_size(tiny_home, chunk_size, groups):
+@pytest.mark.parametrize("prefill_tokens, groups", [(64, 1), (32, 2), (16, 4)])
+def test_a_prefill_step_holds_the_prompts_that_fit_server_prefill_tokens(tiny_home, prefill_tokens, groups):
     # Four 12-token prompts: 4 x 12 = 48 tokens fit 64, two (24) fit 32, one fits 16.
-    assert prefill_steps(tiny_home, PROMPTS, chunk_size=chunk_size, prompt_tokens=12) == groups + 1
+    assert prefill_steps(tiny_home, PROMPTS, prefill_tokens=prefill_tokens, prompt_tokens=12) == groups + 1
+
+
+def test_the_step_budget_is_not_prefill_chunk_size(tiny_home):
+    # A 16-token chunk with a 64-token budget: all four 12-token prompts in one step.
+    assert prefill_steps(tiny_home, PROMPTS, prefill_tokens=64, prompt_tokens=12, chunk_size=16) == 2
+
+
+def test_the_step_budget_shrinks_with_the_guards_chunk(tiny_home):
+    guard = MemoryGuard(total_bytes=64 * 2**30)
+    registry = ModelRegistry(tiny_home, [TINY], guard, cli_settings={"server.prefill_tokens": 4096,
+                                                                      "prefill.chunk_size": 2048})
+    engine = Engine(registry, Scheduler(guard, max_running=2, max_waiting=2), guard, ServerMetrics())
+    model = registry.get(TINY)
+    assert engine._prefill_sizes(model) == (2048, 4096)
+    guard.soft_bytes = -1  # over the soft watermark: the guard halves its chunk each step
+    assert engine._prefill_sizes(model) == (1024, 2048)
+    assert engine._prefill_sizes(model) == (512, 1024)
 
 
 def test_a_slow_step_is_logged_with_its_shape(tiny_home, monkeypatch, caplog):

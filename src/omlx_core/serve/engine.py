@@ -254,9 +254,9 @@ class Engine:
     def _step(self, model_id: str) -> None:
         model = self.registry.loaded[model_id]
         generator = model.generator
-        chunk = self.guard.prefill_chunk_size(int(model.settings["prefill.chunk_size"]))
+        chunk, budget = self._prefill_sizes(model)
         generator.prefill_step_size = chunk
-        generator.prefill_batch_size = model.prefill_batching.batch_size(chunk, budget=chunk)
+        generator.prefill_batch_size = model.prefill_batching.batch_size(chunk, budget=budget)
         started = time.perf_counter()
         try:
             prompt_responses, responses = generator.next()
@@ -286,6 +286,15 @@ class Engine:
                 stopped.append(sequence)
         if stopped:
             generator.remove([s.uid for s in stopped])
+
+    def _prefill_sizes(self, model) -> tuple[int, int]:
+        """(each prompt's chunk, the step's token budget): prefill.chunk_size and
+        server.prefill_tokens, both scaled by the memory guard's adaptive chunk (which
+        halves them above the soft watermark), the chunk never above the budget."""
+        setting = int(model.settings["prefill.chunk_size"])
+        chunk = self.guard.prefill_chunk_size(setting)
+        budget = max(1, int(model.settings["server.prefill_tokens"]) * chunk // setting)
+        return min(chunk, budget), budget
 
     @staticmethod
     def _new_decode_sizes(model, responses, prompt_responses) -> list[int]:
