@@ -20,8 +20,8 @@ generation decodes the N new sequences on their own, then the merged batch), its
 do not. `--phases` splits each admission step into mlx-lm's parts, each waited for (so
 they no longer overlap): `decode` (the running batch's step), `split` (the prompts moving
 to generation decoded on their own), `merge` (joined to the running batch) and `prefill`
-(the prompt batch's forward). `--no-clear-cache` makes the MLX `clear_cache` that mlx-lm calls after each
-prompt chunk a no-op, to see what it costs.
+(the prompt batch's forward). `--no-clear-cache` makes the MLX `clear_cache` that mlx-lm
+calls after each prompt chunk a no-op, to see what it costs.
 
     python scripts/bench/admission.py --model PATH [--home DIR] [--batches 1,8,16,32]
         [--tokens 128[,L...]] [--spread 8] [--running 16] [--new 16[,N...]] [--trials 3]
@@ -30,6 +30,7 @@ prompt chunk a no-op, to see what it costs.
 
 import argparse
 import contextlib
+import importlib
 import json
 import random
 import time
@@ -56,9 +57,6 @@ PHASES = {"decode": ("GenerationBatch", "next"), "split": ("PromptProcessingBatc
 @contextlib.contextmanager
 def phase_timers(spent: dict):
     """Wrap mlx-lm's step parts so that each adds its waited-for ms to `spent[name]`."""
-    import mlx.core as mx
-    import importlib
-
     generate = importlib.import_module("mlx_lm.generate")  # the module (mlx_lm.generate is also a function)
 
     originals = []
@@ -160,8 +158,8 @@ def run(args) -> dict:
     if args.no_clear_cache:
         mx.clear_cache = lambda: None
     try:
-        report["admission"] = admissions(model, args.running, args.new, args.tokens[0], args.spread, args.trials, rng,
-                                         args.phases)
+        report["admission"] = admissions(model, args.running, args.new, args.tokens[0], args.spread,
+                                         args.trials, rng, args.phases)
     finally:
         mx.clear_cache = clear_cache
     return report
