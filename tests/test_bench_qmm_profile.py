@@ -11,6 +11,7 @@ import qmm_profile  # noqa: E402
 SECTIONS = """==PROF== Disconnected from process 531
   custom_kernel_omlx_qmm_bf16_b4_g64_t1_r1_n2_k4_u2_c4096_o3_whole(const __nv_bfloat16 *, array<int, 10>, int) (384, 1, 1)x(256, 1, 1), Context 1, Stream 14, Device 0, CC 9.0
     DRAM Throughput                   %        37.79
+    L2 Cache Throughput               %        21.30
     Duration                         us        15.74
     Executed Ipc Active   inst/cycle         2.00
     Executed Instructions                           inst    6,273,792
@@ -38,6 +39,7 @@ def test_sections_read_each_launch_figures():
     first, second = qmm_profile.sections(SECTIONS)
     assert first["kernel"].endswith("_whole") and first["grid"] == [384, 1] and first["threads"] == 256
     assert (first["duration_us"], first["dram_pct"], first["ipc"]) == (15.74, 37.79, 2.0)
+    assert first["l2_pct"] == 21.3 and first["l1_pct"] is None
     assert (first["instructions"], first["registers"], first["achieved_occupancy_pct"]) == (6273792, 78, 33.02)
     assert second["grid"] == [192, 4] and second["duration_us"] == 38.08 and second["registers"] is None
 
@@ -53,3 +55,9 @@ def test_parts_split_the_samples_at_the_barriers():
                         "long_scoreboard_pct": 20.0}
     assert main_loop["part"] == "main loop" and main_loop["samples_pct"] == 50.0
     assert tail["samples_pct"] == 10.0 and tail["long_scoreboard_pct"] == 10.0
+
+
+def test_config_reads_a_launch_shape_as_config_of_takes_it():
+    assert qmm_profile.launch_shape(None) is None and qmm_profile.launch_shape("") is None
+    assert qmm_profile.launch_shape("1,4,2,1,1024,3,8") == (1, 4, 2, 1, 1024, 3, 8)
+    assert qmm_profile.launch_shape("1, 2,4,2,4096,2,sa") == (1, 2, 4, 2, 4096, 2, "sa")
