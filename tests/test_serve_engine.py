@@ -57,6 +57,15 @@ def test_the_step_budget_is_not_prefill_chunk_size(tiny_home):
     assert prefill_steps(tiny_home, PROMPTS, prefill_tokens=64, prompt_tokens=12, chunk_size=16) == 2
 
 
+def test_the_step_budget_is_twice_the_chunk_on_cuda_and_the_chunk_elsewhere_by_default():
+    from omlx_core.serve.engine import prefill_tokens
+
+    settings = {"server.prefill_tokens": 0, "prefill.chunk_size": 1024}
+    assert prefill_tokens(settings, "cuda") == 2048
+    assert prefill_tokens(settings, "metal") == prefill_tokens(settings, "cpu") == 1024
+    assert prefill_tokens({**settings, "server.prefill_tokens": 300}, "cuda") == 300  # as set
+
+
 def test_the_step_budget_shrinks_with_the_guards_chunk(tiny_home):
     guard = MemoryGuard(total_bytes=64 * 2**30)
     registry = ModelRegistry(tiny_home, [TINY], guard, cli_settings={"server.prefill_tokens": 4096,

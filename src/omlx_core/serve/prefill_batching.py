@@ -9,9 +9,10 @@ streams that arrive together wait four steps of 8 for their first token, while e
 activations the memory guard never sized). Like vLLM's per-step token budget, this sizes
 the batch before each step so that (prompts it prefills) x (longest chunk) stays within
 the budget (`server.prefill_tokens`, scaled down with the chunk the guard allows), with at
-least one prompt. The budget is twice the default chunk: on an H100, 32 streams of
-128-token prompts served 1.19x and 1.12x the tokens a second with a budget of 4096 as with
-2048 (fewer, fuller prefill steps: docs/benchmarks/serve-h100-qwen3-8b-shape-32-streams-prefill-tokens.json).
+least one prompt. On CUDA the budget is twice the chunk by default: on an H100, 32 streams
+of 128-token prompts served 1.19x and 1.12x the tokens a second with a budget of 4096 as
+with 2048 (fewer, fuller prefill steps:
+docs/benchmarks/serve-h100-qwen3-8b-shape-32-streams-prefill-tokens.json).
 """
 
 from collections import OrderedDict

@@ -153,9 +153,11 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("server.prefill_batch", "int", 32,
             "Most admitted prompts prefilled together in one engine step (at most max_concurrency); "
             "the step's prompts x longest chunk also stay within server.prefill_tokens.", minimum=1),
-    Setting("server.prefill_tokens", "count", 4096,
+    Setting("server.prefill_tokens", "count", 0,
             "Most prompt tokens one engine step prefills (its prompts x their longest chunk), as vLLM's "
-            "max_num_batched_tokens; each prompt's chunk stays within prefill.chunk_size.", minimum=16),
+            "max_num_batched_tokens; each prompt's chunk stays within prefill.chunk_size. 0 = auto: "
+            "twice prefill.chunk_size on CUDA (measured faster at 32 streams), prefill.chunk_size elsewhere.",
+            minimum=0),
     Setting("server.warmup", "bool", True,
             "Before serving, decode dummy batches of 1 sequence, of each decode-kernel launch shape and of "
             "max_concurrency, so the first requests do not wait for kernel compiles."),
