@@ -78,12 +78,6 @@ __device__ __forceinline__ uint32_t dequant4(uint32_t word, int shift, uint32_t 
   return bits_of(__hfma2(v, pair_of<T2>(scale2), pair_of<T2>(bias2)));
 }
 
-// 8 activations in the order (0, 4, 1, 5, 2, 6, 3, 7): the pairs dequant4 makes of a word.
-__device__ __forceinline__ uint4 interleaved(const uint4& v) {
-  return make_uint4(__byte_perm(v.x, v.z, 0x5410), __byte_perm(v.x, v.z, 0x7632), __byte_perm(v.y, v.w, 0x5410),
-                    __byte_perm(v.y, v.w, 0x7632));
-}
-
 // Byte `i` of `word` as a float: it lands in the mantissa of 2^23, subtracting is exact.
 __device__ __forceinline__ float byte_value(uint32_t word, int i) {
   return __uint_as_float(__byte_perm(word, 0x4B000000u, 0x7540 + i)) - 8388608.0f;
@@ -216,54 +210,29 @@ __device__ __forceinline__ void qmm_decode(
   // decode-h200-qmm-ncu.json).
   const int lg = M > 1 ? 32 - __clz(M - 1) : 0;  // log2 of the token slots
   const int k0 = first * 128;
-  const int chunks = per_cta * 4;  // chunk: 4 * block + j
-  if constexpr (WR * WK >= NT) {
-    // A pass of the CTA (32 WR WK threads, 4 per token slot and chunk, at most 8 NT slots)
-    // covers a whole number of chunks, so a thread keeps its token row and its t from unit
-    // to unit: its units are a pointer and a stride apart. Working each unit's place out
-    // from its index was most of the staging's instructions (about 57 SASS instructions a
-    // unit at 32 tokens, more in all than the kernel's main loop).
-    const int per_pass = blockDim.x >> (2 + lg);
-    const int t4 = threadIdx.x & 3, m = (threadIdx.x >> 2) & ((1 << lg) - 1);
-    if (m < M) {
-      const T* src = x + (size_t)m * K + k0 + t4 * 32;
-      const int left = K - k0 - t4 * 32;  // inputs of row m from src on
-      uint4* dst = smem + (m >> 3) * 32 + (m & 7) * 4 + t4;
-      for (int c0 = threadIdx.x >> (2 + lg); c0 < chunks; c0 += SL * per_pass) {
-        uint4 v[SL];
+  const int units = (per_cta * 16) << lg;
+  for (int base = threadIdx.x; base < units; base += SL * blockDim.x) {
+    uint4 v[SL];
 #pragma unroll
-        for (int u = 0; u < SL; ++u) {
-          const int c = c0 + u * per_pass, offset = (c >> 2) * 128 + (c & 3) * 8;
-          v[u] = c < chunks && offset < left ? *reinterpret_cast<const uint4*>(src + offset) : make_uint4(0, 0, 0, 0);
-        }
-#pragma unroll
-        for (int u = 0; u < SL; ++u) {
-          const int c = c0 + u * per_pass;
-          if (c >= chunks) break;
-          dst[c * NT * 32] = interleaved(v[u]);
-        }
-      }
+    for (int u = 0; u < SL; ++u) {
+      const int idx = base + u * blockDim.x;
+      const int m = (idx >> 2) & ((1 << lg) - 1), chunk = idx >> (2 + lg);  // chunk: 4 * block + j
+      const int k = k0 + (chunk >> 2) * 128 + (idx & 3) * 32 + (chunk & 3) * 8;
+      v[u] = make_uint4(0, 0, 0, 0);
+      if (idx < units && m < M && k < K) v[u] = *reinterpret_cast<const uint4*>(x + (size_t)m * K + k);
     }
-  } else {
-    const int units = chunks << (2 + lg);
-    for (int base = threadIdx.x; base < units; base += SL * blockDim.x) {
-      uint4 v[SL];
 #pragma unroll
-      for (int u = 0; u < SL; ++u) {
-        const int idx = base + u * blockDim.x;
-        const int m = (idx >> 2) & ((1 << lg) - 1), chunk = idx >> (2 + lg);
-        const int k = k0 + (chunk >> 2) * 128 + (idx & 3) * 32 + (chunk & 3) * 8;
-        v[u] = make_uint4(0, 0, 0, 0);
-        if (idx < units && m < M && k < K) v[u] = *reinterpret_cast<const uint4*>(x + (size_t)m * K + k);
-      }
-#pragma unroll
-      for (int u = 0; u < SL; ++u) {
-        const int idx = base + u * blockDim.x;
-        const int m = (idx >> 2) & ((1 << lg) - 1), chunk = idx >> (2 + lg);
-        if (idx >= units) break;
-        if (m >= M) continue;
-        smem[((chunk * NT + (m >> 3)) * 8 + (m & 7)) * 4 + (idx & 3)] = interleaved(v[u]);
-      }
+    for (int u = 0; u < SL; ++u) {
+      const int idx = base + u * blockDim.x;
+      const int m = (idx >> 2) & ((1 << lg) - 1), chunk = idx >> (2 + lg);
+      if (idx >= units) break;
+      if (m >= M) continue;
+      uint4 p;
+      p.x = __byte_perm(v[u].x, v[u].z, 0x5410);
+      p.y = __byte_perm(v[u].x, v[u].z, 0x7632);
+      p.z = __byte_perm(v[u].y, v[u].w, 0x5410);
+      p.w = __byte_perm(v[u].y, v[u].w, 0x7632);
+      smem[((chunk * NT + (m >> 3)) * 8 + (m & 7)) * 4 + (idx & 3)] = p;
     }
   }
   __syncthreads();
