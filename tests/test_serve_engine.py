@@ -68,10 +68,11 @@ def test_the_step_budget_is_twice_the_chunk_on_cuda_and_the_chunk_elsewhere_by_d
 
 def test_the_step_budget_shrinks_with_the_guards_chunk(tiny_home):
     guard = MemoryGuard(total_bytes=64 * 2**30)
-    registry = ModelRegistry(tiny_home, [TINY], guard, cli_settings={"server.prefill_tokens": 4096,
-                                                                      "prefill.chunk_size": 2048})
+    registry = ModelRegistry(tiny_home, [TINY], guard, cli_settings={
+        "server.prefill_tokens": 4096, "prefill.chunk_size": 2048, "server.warmup": False})
     engine = Engine(registry, Scheduler(guard, max_running=2, max_waiting=2), guard, ServerMetrics())
     model = registry.get(TINY)
+    engine._generator(model)  # resolves server.prefill_tokens with the generator
     assert engine._prefill_sizes(model) == (2048, 4096)
     guard.soft_bytes = -1  # over the soft watermark: the guard halves its chunk each step
     assert engine._prefill_sizes(model) == (1024, 2048)

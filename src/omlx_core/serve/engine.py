@@ -236,6 +236,7 @@ class Engine:
                 model.decode_sizes = warm_up(generator, self.scheduler.max_running)
             model.generator = generator
             model.prefill_batching = PrefillBatching(generator.prefill_batch_size)
+            model.prefill_tokens = prefill_tokens(model.settings)  # once: its auto asks MLX for the backend
             model.stop_sequences = StopSequences([[t] for t in model.tokenizer.eos_token_ids])
             model.no_stop = StopSequences(None)
         return model.generator
@@ -302,11 +303,12 @@ class Engine:
 
     def _prefill_sizes(self, model) -> tuple[int, int]:
         """(each prompt's chunk, the step's token budget): prefill.chunk_size and
-        server.prefill_tokens (`prefill_tokens`), both scaled by the memory guard's adaptive
-        chunk (which halves them above the soft watermark), the chunk never above the budget."""
+        server.prefill_tokens (as `_generator` resolved it), both scaled by the memory guard's
+        adaptive chunk (which halves them above the soft watermark), the chunk never above
+        the budget."""
         setting = int(model.settings["prefill.chunk_size"])
         chunk = self.guard.prefill_chunk_size(setting)
-        budget = max(1, prefill_tokens(model.settings) * chunk // setting)
+        budget = max(1, model.prefill_tokens * chunk // setting)
         return min(chunk, budget), budget
 
     @staticmethod

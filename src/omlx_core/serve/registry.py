@@ -37,6 +37,7 @@ class LoadedModel:
     stop_sequences: object = None  # EOS ids as mlx-lm StopSequences, made with it
     no_stop: object = None  # no EOS at all, for requests with ignore_eos
     prefill_batching: object = None  # the generator's PrefillBatching, made with it
+    prefill_tokens: int = 0  # server.prefill_tokens resolved (engine.prefill_tokens), with it
     decode_sizes: set = field(default_factory=set)  # batch sizes its generator has decoded
     dense_copy: object = None  # decode.dense_copy.DenseCopyReport
 
