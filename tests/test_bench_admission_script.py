@@ -10,13 +10,17 @@ from conftest import TINY, omlx_env
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench" / "admission.py"
 
 
-def test_admission_times_forwards_and_the_steps_that_admit_prompts(tiny_home):
-    done = subprocess.run([sys.executable, str(SCRIPT), "--home", str(tiny_home), "--model", TINY,
-                           "--batches", "1,3", "--tokens", "16,9", "--repeats", "2", "--running", "2",
-                           "--new", "3,1", "--trials", "2", "--spread", "0", "--no-clear-cache", "--json"],
-                          capture_output=True, text=True, timeout=600, env=omlx_env(tiny_home))
+def admission(home, *args: str) -> dict:
+    """The script's --json report on the tiny model with `args`; it must exit 0."""
+    done = subprocess.run([sys.executable, str(SCRIPT), "--home", str(home), "--model", TINY, *args, "--json"],
+                          capture_output=True, text=True, timeout=600, env=omlx_env(home))
     assert done.returncode == 0, done.stderr
-    report = json.loads(done.stdout)
+    return json.loads(done.stdout)
+
+
+def test_admission_times_forwards_and_the_steps_that_admit_prompts(tiny_home):
+    report = admission(tiny_home, "--batches", "1,3", "--tokens", "16,9", "--repeats", "2", "--running", "2",
+                       "--new", "3,1", "--trials", "2", "--spread", "0", "--no-clear-cache")
     assert [(r["batch"], r["tokens"], len(r["ms"])) for r in report["forward"]] == [
         (1, 16, 2), (3, 16, 2), (1, 9, 2), (3, 9, 2)]
     assert all(ms > 0 for r in report["forward"] for ms in r["ms"])
@@ -28,12 +32,8 @@ def test_admission_times_forwards_and_the_steps_that_admit_prompts(tiny_home):
 
 
 def test_phases_split_an_admission_step_into_mlx_lm_parts(tiny_home):
-    done = subprocess.run([sys.executable, str(SCRIPT), "--home", str(tiny_home), "--model", TINY,
-                           "--batches", "1", "--tokens", "12", "--repeats", "1", "--running", "2",
-                           "--new", "2", "--trials", "1", "--spread", "0", "--phases", "--json"],
-                          capture_output=True, text=True, timeout=600, env=omlx_env(tiny_home))
-    assert done.returncode == 0, done.stderr
-    steps = json.loads(done.stdout)["admission"][0]["steps"]
+    steps = admission(tiny_home, "--batches", "1", "--tokens", "12", "--repeats", "1", "--running", "2",
+                      "--new", "2", "--trials", "1", "--spread", "0", "--phases")["admission"][0]["steps"]
     assert set(steps[0][3]) == {"decode", "prefill"}  # the running batch decodes, the new prompts prefill
     assert any({"split", "merge"} <= set(parts) for *_, parts in steps[1:])  # later they move to generation
     for ms, _, _, parts in steps:
