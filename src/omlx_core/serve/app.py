@@ -78,6 +78,10 @@ def create_app(server) -> FastAPI:
         model_id = server.registry.canonical(requested)
         if model_id is None:
             raise unknown_model(requested, server.registry.available())
+        if (model := server.registry.loaded_now(model_id)) is not None:
+            # Not through the engine thread, which takes calls between steps: a request that
+            # came during a step would be admitted a step later (a prefill step: 0.1-0.5 s).
+            return model
         future = server.engine.call(lambda: server.registry.get(model_id))
         try:
             return await asyncio.wrap_future(future)

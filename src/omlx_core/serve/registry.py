@@ -82,6 +82,15 @@ class ModelRegistry:
                 return ref.name
         return requested if requested in self.available() else None
 
+    def loaded_now(self, model_id: str) -> LoadedModel | None:
+        """The model if it is loaded, marked used; None otherwise. Any thread may ask (one
+        dict read): a request for a loaded model need not wait for the engine's step to end
+        (`get`, which may load, runs on the engine thread only)."""
+        loaded = self.loaded.get(model_id)
+        if loaded is not None:
+            loaded.last_used = time.monotonic()
+        return loaded
+
     def get(self, model_id: str) -> LoadedModel:
         """The loaded model, loading it now if needed (engine thread only)."""
         loaded = self.loaded.get(model_id)
