@@ -462,6 +462,31 @@ def test_benchmark_exactness_check_passes_the_dense_path_and_fails_a_wrong_one()
     assert bad["failed"] == 3 and not any(bad["formats"].values())
 
 
+def test_benchmark_judges_the_issues_goals_from_its_rows():
+    decode = bench()
+
+    def layer(k, n, m, us):
+        return {"k": k, "n": n, "m": m, "variant": "ours", "us": us, "gbps": k * n * 0.5625 / us / 1e3}
+
+    # The H200's figures at 17874ef (docs/benchmarks/decode-h200-layers.json) for 4096x12288,
+    # and a 4096x4096 that would meet both goals.
+    result = {"layers": {"rows": [layer(4096, 12288, 1, 18.6), layer(4096, 12288, 32, 42.4),
+                                  layer(4096, 4096, 1, 4.0), layer(4096, 4096, 32, 5.0),
+                                  {**layer(4096, 4096, 1, 1.0), "variant": "mlx_qmm"}]},
+              "model": {"rows": [{"batch": 1, "stock_tps": 160.0, "kernel_tps": 179.0, "fused_tps": 340.0},
+                                 {"batch": 8, "kernel_tps": 9000.0},
+                                 {"batch": 32, "stock_tps": 303.0, "kernel_tps": 2727.0}]}}
+    judged = {(row["goal"], row["case"]): row for row in decode.goals(result)}
+    assert {key: row["met"] for key, row in judged.items()} == {
+        ("M=1 effective bandwidth", "4096x12288"): False, ("M=32 time over M=1", "4096x12288"): False,
+        ("M=1 effective bandwidth", "4096x4096"): True, ("M=32 time over M=1", "4096x4096"): True,
+        ("batch-1 decode", "fused"): True, ("batch-32 aggregate", "kernel"): False}
+    assert judged[("M=32 time over M=1", "4096x12288")]["measured"] == pytest.approx(42.4 / 18.6)
+    slow_stock = {"model": {"rows": [{"batch": 1, "stock_tps": 200.0, "fused_tps": 340.0}]}}
+    assert [row["met"] for row in decode.goals(slow_stock)] == [False]  # 340 is under twice stock
+    assert decode.goals({}) == []
+
+
 def test_benchmark_refuses_the_kernel_where_it_is_unavailable(tmp_path):
     if qmm_decode.kernel_available() == "":
         pytest.skip("this machine runs CUDA")

@@ -34,6 +34,11 @@ barely helps; omlx's `qmm_decode` kernel (kernels/qmm_decode.cu) and the dense-c
   profile  the same step's GPU time by kernel family under Nsight Compute, stock and
            kernel: what the GPU spends against the wall clock
 
+Whatever parts ran, the summary (and the JSON's `goals`) ends with issue 15's goals met or
+not from the layers part at 1 and 32 tokens and the model part at batches 1 and 32
+(`--parts layers,model --tokens 1,32 --batches 1,32` measures them all; the 32-stream goal
+through `omlx serve` is scripts/bench/serve.py's).
+
     python scripts/bench/decode.py [--parts exact,greedy,margins,layers,kernels,model,profile]
         [--tokens 1,2,4,8,16,32,64] [--batches 1,8,32] [--variants stock,kernel,...] [--cache plain|batch]
         [--sdpa-min-batch N] [--qmm-min-tokens N] [--matmul kernel|dense] [--quick] [--sweep] [--repeats 5]
@@ -1025,6 +1030,42 @@ def hardware() -> dict:
     return {**kernel_hardware(), "mlx": mx.__version__}
 
 
+# Issue 15's goals for decode on CUDA: (name, what is compared, bound, True when the bound is a floor).
+GOALS = (("M=1 effective bandwidth", "GB/s of ours at 1 token, per layer", 2000.0, True),
+         ("M=32 time over M=1", "ours at 32 tokens / at 1, per layer", 1.3, False),
+         ("batch-1 decode", "tok/s, the fastest variant (and >= 2x stock)", 330.0, True),
+         ("batch-32 aggregate", "tok/s, the fastest variant", 3000.0, True))
+
+
+def goals(result: dict) -> list[dict]:
+    """Issue 15's goals against what this run measured: the layers part at 1 and 32 tokens
+    (each LAYERS shape) and the model part at batches 1 and 32; a goal without its rows is left out."""
+    rows = []
+
+    def goal(index: int, label: str, value: float, also: bool = True) -> None:
+        name, what, bound, floor = GOALS[index]
+        met = (value >= bound if floor else value <= bound) and also
+        rows.append({"goal": name, "what": what, "case": label, "measured": value, "bound": bound, "met": met})
+
+    ours = {(r["k"], r["n"], r["m"]): r for r in result.get("layers", {}).get("rows", []) if r["variant"] == "ours"}
+    for k, n in LAYERS:
+        one, many = ours.get((k, n, 1)), ours.get((k, n, 32))
+        if one is not None:
+            goal(0, f"{k}x{n}", one["gbps"])
+        if one is not None and many is not None and one["us"] > 0:
+            goal(1, f"{k}x{n}", many["us"] / one["us"])
+    for row in result.get("model", {}).get("rows", []):
+        rates = {key[:-4]: value for key, value in row.items() if key.endswith("_tps")}
+        best = max((name for name in rates if name != "stock"), key=rates.get, default=None)
+        if best is None or row["batch"] not in (1, 32):
+            continue
+        if row["batch"] == 1:
+            goal(2, best, rates[best], "stock" not in rates or rates[best] >= 2 * rates["stock"])
+        else:
+            goal(3, best, rates[best])
+    return rows
+
+
 def summary(result: dict) -> None:
     for part in PARTS:
         if "error" in result.get(part, {}):
@@ -1068,6 +1109,9 @@ def summary(result: dict) -> None:
         print(f"model batch {row['batch']}: " + ", ".join(f"{name} {row[name + '_tps']:.0f}" for name in VARIANTS
                                                            if name + "_tps" in row)
               + " tok/s")
+    for row in result.get("goals", []):
+        print(f"goal {row['goal']} ({row['case']}): {row['measured']:.2f} against {row['bound']:g}: "
+              + ("met" if row["met"] else "not met"))
 
 
 def main() -> None:
@@ -1154,6 +1198,8 @@ def main() -> None:
         result.setdefault("seconds", {})[part] = round(time.perf_counter() - start, 1)
         log(f"{part}: {result['seconds'][part]} s")
         save()
+    result["goals"] = goals(result)
+    save()
     if args.json:
         json.dump(result, sys.stdout, indent=1)
         print()
