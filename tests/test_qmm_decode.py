@@ -306,6 +306,34 @@ def test_validated_install_takes_batched_decode_and_leaves_one_token_to_mlx(tiny
     assert not layers[0].uses_kernel(x) and layers[0].uses_kernel(mx.concatenate([x, x]))
 
 
+def test_a_tied_embedding_takes_the_kernel_as_the_output_head(tmp_path):
+    path = build_tiny_model("llama", tmp_path / "tied", quantized=True, bits=4, group_size=64,
+                            shape={"tie_word_embeddings": True})
+    model, _ = load(str(path))
+    assert "lm_head" not in dict(model.named_modules())  # the head is the embedding's as_linear
+    stock = model.model.embed_tokens
+    tokens = mx.array([[3, 1, 4, 1, 5]])
+    prompt = mx.arange(70)[None] % stock.num_embeddings  # 70 positions: a prefill, past the kernel's 64
+    x = mx.random.normal((1, 1, stock.dims)).astype(mx.bfloat16)
+    before = (stock(tokens), stock.as_linear(x), model(tokens[:, :1]), model(prompt))
+    report = install_kernels(model, None, {}, kernels=(qmm_decode.SPEC,), hardware=H200)
+    head = model.model.embed_tokens
+    assert isinstance(head, qmm_decode.DecodeQuantizedEmbedding) and "model.embed_tokens" in report.replaced["qmm_decode"]
+    assert head["weight"] is stock["weight"] and (head.num_embeddings, head.dims) == (stock.num_embeddings, stock.dims)
+    assert qmm_decode._takes(head, mx.concatenate([x, x])) and not qmm_decode._takes(head, x)
+    # Lookups, one token and a prefill as the head are MLX's as before (no kernel here): the same values.
+    after = (head(tokens), head.as_linear(x), model(tokens[:, :1]), model(prompt))
+    assert all(mx.array_equal(a, b).item() for a, b in zip(before, after)) and head.calls == 0
+    assert type(qmm_decode.plain(head)) is nn.QuantizedEmbedding
+    assert mx.array_equal(qmm_decode.plain(head).as_linear(x), before[1]).item()
+
+
+def test_an_untied_embedding_is_left_alone(tiny_path):
+    model, _ = load(str(tiny_path))
+    install_kernels(model, None, {}, kernels=(qmm_decode.SPEC,), hardware=H200)
+    assert type(model.model.embed_tokens) is nn.QuantizedEmbedding
+
+
 def test_install_kernels_leaves_the_model_alone_here(tiny_path):
     if qmm_decode.kernel_available() == "":
         pytest.skip("this machine runs CUDA")

@@ -9,8 +9,8 @@ barely helps; omlx's `qmm_decode` kernel (kernels/qmm_decode.cu) and the dense-c
            fp16), odd N, K not a multiple of the 128-input tile, 1..64 tokens; the check
            is max |ours - mlx| / max |mlx| <= 1/128 (two bf16 roundings of the largest output);
            --sweep (or a run without --quick) also checks every launch shape of SWEEP
-  greedy   64-token greedy decode of tiny llama and qwen3_5 models, stock against the
-           kernel installed: identical tokens
+  greedy   64-token greedy decode of tiny llama (one with tied embeddings: the head on the
+           kernel too) and qwen3_5 models, stock against the kernel installed: identical tokens
   margins  whether greedy differences are near-ties: 8 fixed prompts x tiny llama and
            qwen3_5 (4-bit g64), stock vs kernel vs dense copy (MLX's own dequantized bf16
            arithmetic, the control), and at the kernel's first difference the logit
@@ -277,13 +277,15 @@ def run_greedy(matmul_name: str, workdir: Path, count: int = 64, quick: bool = F
     from omlx_core.models.testing import build_tiny_model
 
     results = []
-    models = (("llama", 4, 64), ("qwen3_5", 4, 64)) if quick else (("llama", 4, 32), ("llama", 8, 64),
-                                                                   ("qwen3_5", 4, 64))
-    for arch, bits, group in models:
+    # (arch, bits, group, tied embeddings: the head is the embedding's as_linear)
+    models = ((("llama", 4, 64, False), ("llama", 4, 64, True), ("qwen3_5", 4, 64, False)) if quick else
+              (("llama", 4, 32, False), ("llama", 8, 64, False), ("llama", 4, 64, True), ("qwen3_5", 4, 64, False)))
+    for arch, bits, group, tied in models:
         start = time.perf_counter()
-        path = workdir / f"greedy-{arch}-{bits}bit-g{group}"
+        path = workdir / f"greedy-{arch}-{bits}bit-g{group}{'-tied' if tied else ''}"
         if not (path / "config.json").is_file():
-            build_tiny_model(arch, path, quantized=True, bits=bits, group_size=group)
+            build_tiny_model(arch, path, quantized=True, bits=bits, group_size=group,
+                             shape={"tie_word_embeddings": True} if tied else None)
         model, _ = load(str(path))
         log(f"greedy {arch}: built and loaded in {time.perf_counter() - start:.1f} s")
         prompt = mx.array([42], dtype=mx.int32)
@@ -300,11 +302,12 @@ def run_greedy(matmul_name: str, workdir: Path, count: int = 64, quick: bool = F
             layers = [modules[p] for p in paths]
         ours = greedy_tokens(model, prompt, count)
         first = next((i for i, (a, b) in enumerate(zip(stock, ours)) if a != b), None)
-        results.append({"arch": arch, "bits": bits, "group": group, "tokens": count, "identical": stock == ours,
+        results.append({"arch": arch, "bits": bits, "group": group, "tied": tied, "tokens": count,
+                        "identical": stock == ours,
                         "first_difference": first, "layers": len(layers),
                         "kernel_calls": sum(layer.calls for layer in layers),
                         "decode_blocks": sum(type(m).__name__ == "DecodeBlock" for _, m in model.named_modules())})
-        log(f"greedy {arch} {bits}-bit g{group}: identical={stock == ours} "
+        log(f"greedy {arch} {bits}-bit g{group}{' tied' if tied else ''}: identical={stock == ours} "
             f"({results[-1]['kernel_calls']} calls on our path)")
     return results
 
@@ -1081,7 +1084,8 @@ def summary(result: dict) -> None:
             print(f"exact residual: {sum(r['ok'] for r in added)}/{len(added)} within the tolerance, "
                   f"{sum(r['identical'] for r in added)}/{len(added)} bit for bit our product plus MLX's add")
     for g in result.get("greedy", []):
-        print(f"greedy {g['arch']} {g['bits']}-bit g{g['group']}: identical={g['identical']} "
+        print(f"greedy {g['arch']} {g['bits']}-bit g{g['group']}{' tied' if g.get('tied') else ''}: "
+              f"identical={g['identical']} "
               f"({g['kernel_calls']} calls)")
     if "layers" in result:
         print(f"layers (chained, GPU time per call; floor per op {result['layers']['floor_us']} us):")

@@ -15,8 +15,10 @@ computes every token of the call from it on the tensor cores (see the file's com
   does: `DequantizedPrefill` wraps it, split lanes slice it, `fast_paths.unwrap` returns it.
 - `DecodeGroup`: linears of one input (q/k/v, gate/up) computed in one launch, each with
   its own output (`grouped_matmul_decode` is the function form).
-- `install(model)` replaces the eligible quantized linears by module replacement and
-  groups the siblings of one input.
+- `DecodeQuantizedEmbedding`: a tied embedding whose use as the output head (`as_linear`)
+  runs the kernel at the same sizes.
+- `install(model)` replaces the eligible quantized linears (and a tied embedding) by module
+  replacement and groups the siblings of one input.
 
 The launch shape (`Config`) is chosen per token count and layer shape; the benchmark
 (scripts/bench/decode.py) measured the candidates on the H200.
@@ -406,6 +408,42 @@ def grouped_matmul_decode(x: mx.array, layers: list, group_size: int, bits: int,
     return launch(x, [a for layer in layers for a in layer], locks, residual)
 
 
+def _adopt(module, layer, max_tokens: int, min_tokens: int) -> None:
+    """Fill a new kernel module from a quantized `layer`: the same arrays and format, the
+    token range it computes, the activation dtype it checked once (None: the kernel cannot
+    read this layer, which keeps MLX's path) and its split-K counters."""
+    nn.Module.__init__(module)
+    for key, value in layer.items():  # weight, scales, biases (and bias): the same arrays
+        module[key] = value
+    module.group_size, module.bits, module.mode = layer.group_size, layer.bits, layer.mode
+    module.max_tokens, module.min_tokens = max_tokens, min_tokens
+    module.calls = 0  # inputs that took the kernel
+    module._dtype = None if supported(layer.scales.dtype, layer.scales.dtype, layer.bits, layer.group_size,
+                                      layer.mode) or layer.get("biases") is None else layer.scales.dtype
+    # Underscored: not a parameter (not saved, not counted as weights).
+    module._locks = mx.zeros((lock_count(layer.weight.shape[0]),), dtype=mx.int32)
+    mx.eval(module._locks)
+    # Launches by token count (and (count, "residual") for `with_residual`), a plain
+    # attribute (outside the module tree).
+    object.__setattr__(module, "_launches", {})
+
+
+def _takes(module, x: mx.array) -> bool:
+    return (module._dtype is not None and module.min_tokens <= x.size // x.shape[-1] <= module.max_tokens
+            and x.dtype == module._dtype)
+
+
+def _product(module, x: mx.array, tokens: int) -> mx.array:
+    """x @ the module's quantized weight^T on the kernel (its launch made once per token count)."""
+    object.__setattr__(module, "calls", module.calls + 1)  # Module.__setattr__ costs microseconds
+    w = module["weight"]
+    launch = module._launches.get(tokens)
+    if launch is None:
+        launch = module._launches[tokens] = launch_for((w.shape[0],), x.shape[-1], tokens, x.dtype, module.bits,
+                                                       module.group_size)
+    return launch(x, [w, module["scales"], module["biases"]], module["_locks"])[0]
+
+
 class DecodeQuantizedLinear(nn.QuantizedLinear):
     """A QuantizedLinear whose inputs of 1..`max_tokens` tokens run the decode kernel.
 
@@ -426,27 +464,12 @@ class DecodeQuantizedLinear(nn.QuantizedLinear):
     def of(cls, layer: nn.QuantizedLinear, max_tokens: int = MAX_TOKENS,
            min_tokens: int = MIN_TOKENS) -> "DecodeQuantizedLinear":
         module = cls.__new__(cls)
-        nn.Module.__init__(module)
-        for key, value in layer.items():  # weight, scales, biases (and bias): the same arrays
-            module[key] = value
-        module.group_size, module.bits, module.mode = layer.group_size, layer.bits, layer.mode
-        module.max_tokens, module.min_tokens = max_tokens, min_tokens
-        module.calls = 0  # inputs that took the kernel
-        # Inputs of another dtype (or a layer the kernel cannot read) keep QuantizedLinear's path.
-        module._dtype = None if supported(layer.scales.dtype, layer.scales.dtype, layer.bits, layer.group_size,
-                                          layer.mode) or layer.get("biases") is None else layer.scales.dtype
-        # Underscored: not a parameter (not saved, not counted as weights).
-        module._locks = mx.zeros((lock_count(layer.weight.shape[0]),), dtype=mx.int32)
-        mx.eval(module._locks)
-        # This layer's launches by token count (and (count, "residual") for `with_residual`),
-        # a plain attribute (outside the module tree).
-        object.__setattr__(module, "_launches", {})
+        _adopt(module, layer, max_tokens, min_tokens)
         module.freeze()
         return module
 
     def uses_kernel(self, x: mx.array) -> bool:
-        return (self._dtype is not None and self.min_tokens <= x.size // x.shape[-1] <= self.max_tokens
-                and x.dtype == self._dtype)
+        return _takes(self, x)
 
     def __call__(self, x: mx.array) -> mx.array:
         # The layer was checked when it was built, the kernel's availability with the first
@@ -456,16 +479,11 @@ class DecodeQuantizedLinear(nn.QuantizedLinear):
         tokens = x.size // k
         if self._dtype is None or tokens > self.max_tokens or tokens < self.min_tokens or x.dtype != self._dtype:
             return super().__call__(x)
-        object.__setattr__(self, "calls", self.calls + 1)  # Module.__setattr__ costs microseconds
         if self._group is not None:
+            object.__setattr__(self, "calls", self.calls + 1)
             out = self._group.output(self._group_index, x, tokens)
         else:
-            w = self["weight"]
-            launch = self._launches.get(tokens)
-            if launch is None:
-                launch = self._launches[tokens] = launch_for((w.shape[0],), k, tokens, x.dtype, self.bits,
-                                                             self.group_size)
-            out = launch(x, [w, self["scales"], self["biases"]], self["_locks"])[0]
+            out = _product(self, x, tokens)
         return out + self["bias"] if "bias" in self else out
 
     def with_residual(self, x: mx.array, residual: mx.array) -> mx.array:
@@ -485,6 +503,35 @@ class DecodeQuantizedLinear(nn.QuantizedLinear):
             launch = self._launches[(tokens, "residual")] = launch_for((w.shape[0],), k, tokens, x.dtype, self.bits,
                                                                        self.group_size, residual=True)
         return launch(x, [w, self["scales"], self["biases"]], self["_locks"], residual)[0]
+
+
+class DecodeQuantizedEmbedding(nn.QuantizedEmbedding):
+    """A tied quantized embedding whose use as the output head (`as_linear`) runs the decode
+    kernel for 1..`max_tokens` tokens; lookups read the packed table as before.
+
+    Why: a model with tied embeddings multiplies its largest matrix (vocabulary x hidden)
+    through `as_linear`, MLX's quantized matmul, which runs far below bandwidth from two
+    tokens on CUDA (the reason for this kernel): on a small model that head is a tenth to a
+    quarter of the weights a decode step reads."""
+
+    max_tokens = MAX_TOKENS
+    min_tokens = MIN_TOKENS
+    calls = 0
+    _dtype = None
+
+    @classmethod
+    def of(cls, layer: nn.QuantizedEmbedding, max_tokens: int = MAX_TOKENS,
+           min_tokens: int = MIN_TOKENS) -> "DecodeQuantizedEmbedding":
+        module = cls.__new__(cls)
+        _adopt(module, layer, max_tokens, min_tokens)
+        module.num_embeddings, module.dims = layer.num_embeddings, layer.dims
+        module.freeze()
+        return module
+
+    def as_linear(self, x: mx.array) -> mx.array:
+        if not _takes(self, x):
+            return super().as_linear(x)
+        return _product(self, x, x.size // x.shape[-1])
 
 
 class DecodeGroup:
@@ -557,28 +604,45 @@ def group_siblings(built: dict) -> list[DecodeGroup]:
 
 
 def plain(module) -> nn.Module:
-    """A plain QuantizedLinear of the same arrays for any QuantizedLinear subclass (undoes
-    `install`, and the dense copy's install too); any other module as given."""
-    if not isinstance(module, nn.QuantizedLinear) or type(module) is nn.QuantizedLinear:
-        return module
-    layer = nn.QuantizedLinear.__new__(nn.QuantizedLinear)
-    nn.Module.__init__(layer)
-    for key in ("weight", "scales", "biases", "bias"):
-        if key in module:
-            layer[key] = module[key]
-    layer.group_size, layer.bits, layer.mode = module.group_size, module.bits, module.mode
-    layer.freeze()
-    return layer
+    """A plain QuantizedLinear (QuantizedEmbedding) of the same arrays for any subclass of
+    one (undoes `install`, and the dense copy's install too); any other module as given."""
+    for kind, keys in ((nn.QuantizedLinear, ("weight", "scales", "biases", "bias")),
+                       (nn.QuantizedEmbedding, ("weight", "scales", "biases"))):
+        if isinstance(module, kind) and type(module) is not kind:
+            layer = kind.__new__(kind)
+            nn.Module.__init__(layer)
+            for key in keys:
+                if key in module:
+                    layer[key] = module[key]
+            layer.group_size, layer.bits, layer.mode = module.group_size, module.bits, module.mode
+            if kind is nn.QuantizedEmbedding:
+                layer.num_embeddings, layer.dims = module.num_embeddings, module.dims
+            layer.freeze()
+            return layer
+    return module
 
 
-def eligible(module, formats: tuple) -> bool:
-    """A plain affine quantized linear the kernel computes, in one of `formats`
+def readable(module, formats: tuple) -> bool:
+    """Affine quantized arrays (with biases) the kernel reads, in one of `formats`
     ((bits, group size, scales dtype) triples)."""
-    if type(module) is not nn.QuantizedLinear or getattr(module, "biases", None) is None:
+    if getattr(module, "biases", None) is None:
         return False
     if supported(module.scales.dtype, module.scales.dtype, module.bits, module.group_size, module.mode):
         return False
     return (module.bits, module.group_size, module.scales.dtype) in formats
+
+
+def eligible(module, formats: tuple) -> bool:
+    """A plain affine quantized linear the kernel computes, in one of `formats`."""
+    return type(module) is nn.QuantizedLinear and readable(module, formats)
+
+
+def tied_head(model, path: str, module, formats: tuple) -> bool:
+    """The plain quantized input embedding of a model with tied embeddings (which also
+    multiplies it as its output head), in one of `formats`."""
+    tied = bool(getattr(getattr(model, "args", None), "tie_word_embeddings", False))
+    return (tied and path.endswith("embed_tokens") and type(module) is nn.QuantizedEmbedding
+            and readable(module, formats))
 
 
 def applies(model) -> bool:
@@ -589,16 +653,20 @@ def install(model, max_tokens: int = MAX_TOKENS, formats: tuple | None = None,
             min_tokens: int = MIN_TOKENS, group: bool = True) -> list[str]:
     """Replace every eligible quantized linear (also inside prefill wrappers) by a
     DecodeQuantizedLinear for `min_tokens`..`max_tokens` tokens, siblings of one input
-    grouped into one launch (GROUPS); returns their paths. All are built before any is
-    replaced. `formats` defaults to those that passed the exactness check on the device
-    (`ALL_FORMATS` for the check itself); `group=False` launches each linear alone."""
+    grouped into one launch (GROUPS), and a tied embedding by a DecodeQuantizedEmbedding
+    (its output head); returns their paths. All are built before any is replaced. `formats`
+    defaults to those that passed the exactness check on the device (`ALL_FORMATS` for the
+    check itself); `group=False` launches each linear alone."""
     from omlx_core.prefill.split import replace_module
 
     formats = VALIDATED if formats is None else formats
+    modules = list(model.named_modules())
     built = {path: DecodeQuantizedLinear.of(module, max_tokens, min_tokens)
-             for path, module in model.named_modules() if eligible(module, formats)}
+             for path, module in modules if eligible(module, formats)}
     if group:
         group_siblings(built)
+    built.update({path: DecodeQuantizedEmbedding.of(module, max_tokens, min_tokens)
+                  for path, module in modules if tied_head(model, path, module, formats)})
     for path, module in built.items():
         replace_module(model, path, module)
     return list(built)
@@ -619,8 +687,8 @@ def _spec():
                       "decode-h200-model-grouped.json")
     return KernelSpec(
         name="qmm_decode",
-        replaces=f"mx.quantized_matmul of affine 4/8-bit quantized linears (group 32/64/128) at "
-                 f"{MIN_TOKENS}..{MAX_TOKENS} tokens (batched decode)",
+        replaces=f"mx.quantized_matmul of affine 4/8-bit quantized linears (group 32/64/128), and of a tied "
+                 f"embedding as the output head, at {MIN_TOKENS}..{MAX_TOKENS} tokens (batched decode)",
         source=SOURCE,
         validated=(h200,),
         applies=applies,
