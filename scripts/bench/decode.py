@@ -59,7 +59,6 @@ the script refuses. Results: stdout (summary, or one JSON document with --json);
 import argparse
 import csv
 import glob
-import itertools
 import json
 import math
 import os
@@ -189,13 +188,12 @@ def run_exact(matmul, cases=None, quick: bool = False, sweep: bool = False) -> d
                 f"ok={rows[-1]['ok']} ({time.perf_counter() - start:.1f} s)")
     sweep = matmul is qmm_decode.quantized_matmul_decode and (sweep or not quick)  # the shapes the sweep times
     for config in {c for m in (1, 9, 17, 33) for c in sweep_configs(m)} if sweep else ():
-        groups = (64, 128) if config.scale_after else (64,)  # the scale-after form reads each differently
-        for ctas, group in itertools.product(CTAS, groups):
-            for k, n in ((1152 if group == 128 else 1088, 1001), (4096, 4096)):
-                layer = quantized_layer(k, n, 4, group, seed=n)
+        for ctas in CTAS:
+            for k, n in ((1088, 1001), (4096, 4096)):
+                layer = quantized_layer(k, n, 4, 64, seed=n)
                 for m in {1, 8 * config.tiles - 5, 8 * config.tiles}:
-                    row = exact_row(matmul, layer, 4, group, mx.bfloat16, k, n, m, not quick or m < 8,
-                                    config=config, ctas=ctas)
+                    row = exact_row(matmul, layer, 4, 64, mx.bfloat16, k, n, m, not quick or m < 8, config=config,
+                                    ctas=ctas)
                     rows.append({**row, "config": config.__dict__ | {"ctas": ctas}})
     if matmul is qmm_decode.quantized_matmul_decode:
         rows += grouped_rows(quick) + residual_rows(quick)
@@ -593,10 +591,7 @@ SWEEP = {  # (R, WR, WK, U, KC, occupancy[, SL]) per token bucket; the default (
     2: [(1, 4, 2, 2, 1024, 2, 8), (1, 4, 2, 2, 1024, 2, 2), (1, 4, 2, 2, 1024, 2, 4),
         (2, 2, 2, 1, 1024, 3, 8), (1, 8, 1, 1, 2048, 2, 8), (1, 4, 2, 2, 1024, 2, 8, "sa")],
     4: [(1, 4, 2, 1, 1024, 3, 8), (1, 4, 2, 1, 1024, 3, 2), (1, 4, 2, 1, 1024, 3, 4),
-        (2, 2, 2, 1, 1024, 3, 8), (1, 8, 1, 1, 512, 2, 8), (2, 4, 1, 1, 1024, 2, 8),
-        # Two row tiles a warp at 8 warps a CTA: each staged x fragment feeds twice the mma
-        # (at R=1 the shared-memory reads of x are 8x the weight bytes), 123 registers, no spills.
-        (2, 4, 2, 1, 1024, 2, 8), (2, 8, 1, 1, 1024, 2, 8), (2, 2, 2, 1, 512, 4, 8)],
+        (2, 2, 2, 1, 1024, 3, 8), (1, 8, 1, 1, 512, 2, 8), (2, 4, 1, 1, 1024, 2, 8)],
     8: [(1, 8, 1, 1, 512, 2, 8), (1, 8, 1, 1, 512, 2, 2), (1, 8, 1, 1, 512, 2, 4),
         (1, 4, 1, 1, 512, 3, 8), (1, 4, 2, 1, 512, 2, 8), (1, 8, 1, 1, 1024, 1, 8)],
 }
