@@ -27,12 +27,10 @@ template <typename T> struct Pair;
 template <> struct Pair<__nv_bfloat16> {
   using type = __nv_bfloat162;
   static constexpr uint32_t magic = 0x43004300u;  // (128, 128): 128 + q for a 4-bit q
-  static constexpr float offset = 128.0f;         // what magic adds to q
 };
 template <> struct Pair<__half> {
   using type = __half2;
   static constexpr uint32_t magic = 0x64006400u;  // (1024, 1024): 1024 + q
-  static constexpr float offset = 1024.0f;
 };
 
 __device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
@@ -61,13 +59,6 @@ __device__ __forceinline__ uint4 load_stream(const uint32_t* p) {
   return v;
 }
 
-// 8 bytes of weights, read once (the scale-after form's half of a thread's 16 bytes).
-__device__ __forceinline__ uint2 load_stream2(const uint32_t* p) {
-  uint2 v;
-  asm("ld.global.nc.L1::no_allocate.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
-  return v;
-}
-
 // (a & mask) | bits as one LOP3: written in C, ptxas splits it in two (one instruction
 // takes one immediate operand, and this expression has two constants).
 __device__ __forceinline__ uint32_t and_or(uint32_t a, uint32_t mask, uint32_t bits) {
@@ -85,25 +76,6 @@ __device__ __forceinline__ uint32_t dequant4(uint32_t word, int shift, uint32_t 
   const uint32_t q = and_or(word >> shift, 0x000F000Fu, Pair<T>::magic);
   T2 v = __hsub2(pair_of<T2>(q), pair_of<T2>(Pair<T>::magic));
   return bits_of(__hfma2(v, pair_of<T2>(scale2), pair_of<T2>(bias2)));
-}
-
-// Two 4-bit values as `dequant4` takes them, left as offset + q (exact): the scale-after
-// form multiplies them by x on the tensor cores and applies scale and bias once per group.
-template <typename T>
-__device__ __forceinline__ uint32_t offset4(uint32_t word, int shift) {
-  return and_or(word >> shift, 0x000F000Fu, Pair<T>::magic);
-}
-
-// The sum of the 8 activations of a staged 16-byte unit, in fp32 (in the unit's order).
-template <typename T> __device__ __forceinline__ float sum8(const uint4& v) {
-  float s = 0.0f;
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const uint32_t word = word_of(v, i);
-    s += to_float(pair_of<typename Pair<T>::type>(word).x);
-    s += to_float(pair_of<typename Pair<T>::type>(word).y);
-  }
-  return s;
 }
 
 // Byte `i` of `word` as a float: it lands in the mantissa of 2^23, subtracting is exact.
@@ -153,8 +125,7 @@ __device__ __forceinline__ void mma<__half>(float* c, const uint32_t* a, uint32_
 // floats; with one slice per column tile neither is touched (null).
 // `tile` is the column tile computed (its place in its segment).
 // RES: out = T(product) + residual (M x N), as the decoder adds its residual stream.
-template <typename T, int BITS, int GS, int NT, int R, int WR, int WK, int U, int KC, int SL, bool RES,
-          bool SA = false>
+template <typename T, int BITS, int GS, int NT, int R, int WR, int WK, int U, int KC, int SL, bool RES>
 __device__ __forceinline__ void qmm_decode(
     const T* __restrict__ x, const uint32_t* __restrict__ w, const T* __restrict__ scales,
     const T* __restrict__ biases, const T* __restrict__ residual, const int32_t* locks, T* __restrict__ out,
@@ -165,14 +136,6 @@ __device__ __forceinline__ void qmm_decode(
   constexpr int BN = 16 * R * WR;  // output channels of one CTA
   constexpr int BNP = BN + 4;      // padded row of the reduction buffer (no bank conflicts)
   constexpr int V = BITS / 4;      // 16-byte loads per thread, row and block (32 inputs)
-  // SA (scale after): the products of a group are summed from offset + q on the tensor cores,
-  // then scale * sum + (bias - offset * scale) * (the group's sum of x) is added once per
-  // group, so a weight costs one SHF and one LOP3 per pair instead of four instructions.
-  // An mma's 16 inputs must then lie in one group: with groups of 64, a thread takes 16
-  // inputs of each half of a block (two 8-byte loads) instead of 32 of one.
-  static_assert(!SA || (BITS == 4 && GS >= 64), "scale after: 4-bit weights in groups of 64 or 128");
-  constexpr bool SPLIT = SA && GS == 64;
-  constexpr int GB = SA ? 128 / GS : 1;  // groups of a block a thread's scales cover
   extern __shared__ uint4 smem[];
   __shared__ int last_arrival;
 
@@ -194,7 +157,7 @@ __device__ __forceinline__ void qmm_decode(
   // HBM is streaming all the while, not only between a CTA's start and its first mma.
   struct Round {
     uint4 wv[U][R][2][V];
-    T sc[U][R][2][GB], bi[U][R][2][GB];
+    T sc[U][R][2], bi[U][R][2];
   };
   Round ping, pong;
 
@@ -202,36 +165,24 @@ __device__ __forceinline__ void qmm_decode(
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int i = round + u;
-      const int kb = (first + wk + WK * i) * 128;  // the block's first input
-      const int k = kb + t * 32;                     // this thread's 32 inputs
+      const int k = (first + wk + WK * i) * 128 + t * 32;  // this thread's 32 inputs
       const bool valid = i < mine && k < K;
 #pragma unroll
       for (int r = 0; r < R; ++r) {
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           const int row = row0 + r * 16 + g + 8 * h;
-          if constexpr (SPLIT) {  // inputs kb + 64 q + 16 t .. + 15 of each half q (K is whole groups)
-            const bool first_half = i < mine && row < N, second_half = first_half && kb + 64 < K;
-            const uint32_t* src = w + row * row_words + kb / 8 + 2 * t;
-            const size_t group = (size_t)row * groups + kb / 64;
-            const uint2 lo = first_half ? load_stream2(src) : make_uint2(0, 0);
-            const uint2 hi = second_half ? load_stream2(src + 8) : make_uint2(0, 0);
-            rd.wv[u][r][h][0] = make_uint4(lo.x, lo.y, hi.x, hi.y);
-            rd.sc[u][r][h][0] = first_half ? scales[group] : from_float<T>(0.0f);
-            rd.bi[u][r][h][0] = first_half ? biases[group] : from_float<T>(0.0f);
-            rd.sc[u][r][h][1] = second_half ? scales[group + 1] : from_float<T>(0.0f);
-            rd.bi[u][r][h][1] = second_half ? biases[group + 1] : from_float<T>(0.0f);
-          } else if (valid && row < N) {
+          if (valid && row < N) {
             const uint32_t* src = w + row * row_words + k * BITS / 32;
 #pragma unroll
             for (int v = 0; v < V; ++v) rd.wv[u][r][h][v] = load_stream(src + 4 * v);
-            rd.sc[u][r][h][0] = scales[(size_t)row * groups + k / GS];
-            rd.bi[u][r][h][0] = biases[(size_t)row * groups + k / GS];
+            rd.sc[u][r][h] = scales[(size_t)row * groups + k / GS];
+            rd.bi[u][r][h] = biases[(size_t)row * groups + k / GS];
           } else {
 #pragma unroll
             for (int v = 0; v < V; ++v) rd.wv[u][r][h][v] = make_uint4(0, 0, 0, 0);
-            rd.sc[u][r][h][0] = from_float<T>(0.0f);
-            rd.bi[u][r][h][0] = from_float<T>(0.0f);
+            rd.sc[u][r][h] = from_float<T>(0.0f);
+            rd.bi[u][r][h] = from_float<T>(0.0f);
           }
         }
       }
@@ -266,9 +217,7 @@ __device__ __forceinline__ void qmm_decode(
     for (int u = 0; u < SL; ++u) {
       const int idx = base + u * blockDim.x;
       const int m = (idx >> 2) & ((1 << lg) - 1), chunk = idx >> (2 + lg);  // chunk: 4 * block + j
-      // unit (chunk j, thread t): the 8 inputs of word j of t's weights (SPLIT: 16 per half)
-      const int k = SPLIT ? k0 + (chunk >> 2) * 128 + ((chunk & 3) >> 1) * 64 + (idx & 3) * 16 + (chunk & 1) * 8
-                          : k0 + (chunk >> 2) * 128 + (idx & 3) * 32 + (chunk & 3) * 8;
+      const int k = k0 + (chunk >> 2) * 128 + (idx & 3) * 32 + (chunk & 3) * 8;
       v[u] = make_uint4(0, 0, 0, 0);
       if (idx < units && m < M && k < K) v[u] = *reinterpret_cast<const uint4*>(x + (size_t)m * K + k);
     }
@@ -288,24 +237,6 @@ __device__ __forceinline__ void qmm_decode(
   }
   __syncthreads();
 
-  // SA: each group's sum of x per token, [local group][token slot], after the staged x.
-  float* const xsum = reinterpret_cast<float*>(smem) + 4 * NT * KC;
-  if constexpr (SA) {
-    constexpr int JG = 4 / GB;  // a group's words j of a block
-    for (int p = threadIdx.x; p < per_cta * GB * 8 * NT; p += blockDim.x) {
-      const int m = p % (8 * NT), gl = p / (8 * NT), bl = gl / GB, q = gl % GB;
-      float sum = 0.0f;
-      if (m < M) {
-#pragma unroll
-        for (int j = q * JG; j < (q + 1) * JG; ++j)
-#pragma unroll
-          for (int tt = 0; tt < 4; ++tt) sum += sum8<T>(smem[(((bl * 4 + j) * NT + (m >> 3)) * 8 + (m & 7)) * 4 + tt]);
-      }
-      xsum[p] = sum;
-    }
-    __syncthreads();
-  }
-
   float acc[R][NT][4];
 #pragma unroll
   for (int r = 0; r < R; ++r)
@@ -315,66 +246,7 @@ __device__ __forceinline__ void qmm_decode(
       for (int e = 0; e < 4; ++e) acc[r][n][e] = 0.0f;
 
   using T2 = typename Pair<T>::type;
-  auto compute_sa = [&](const Round& rd, int round) {
-    constexpr int JG = 4 / GB;
-#pragma unroll
-    for (int u = 0; u < U; ++u) {
-      if (round + u >= mine) break;
-      const int bl = wk + WK * (round + u);
-#pragma unroll
-      for (int q = 0; q < GB; ++q) {
-        float raw[R][NT][4];
-#pragma unroll
-        for (int r = 0; r < R; ++r)
-#pragma unroll
-          for (int n = 0; n < NT; ++n)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) raw[r][n][e] = 0.0f;
-#pragma unroll
-        for (int j = q * JG; j < (q + 1) * JG; ++j) {
-          uint4 b[NT];
-#pragma unroll
-          for (int n = 0; n < NT; ++n) b[n] = smem[((bl * 4 + j) * NT + n) * 32 + lane];
-#pragma unroll
-          for (int r = 0; r < R; ++r) {
-            uint32_t a0[4], a1[4];
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-              const uint32_t word = word_of(rd.wv[u][r][h][0], j);
-              a0[h] = offset4<T>(word, 0);
-              a0[2 + h] = offset4<T>(word, 4);
-              a1[h] = offset4<T>(word, 8);
-              a1[2 + h] = offset4<T>(word, 12);
-            }
-#pragma unroll
-            for (int n = 0; n < NT; ++n) {
-              mma<T>(raw[r][n], a0, b[n].x, b[n].y);
-              mma<T>(raw[r][n], a1, b[n].z, b[n].w);
-            }
-          }
-        }
-        const float* xs = xsum + (bl * GB + q) * 8 * NT;
-#pragma unroll
-        for (int r = 0; r < R; ++r)
-#pragma unroll
-          for (int h = 0; h < 2; ++h) {
-            const float sc = to_float(rd.sc[u][r][h][q]);
-            const float bo = to_float(rd.bi[u][r][h][q]) - Pair<T>::offset * sc;
-#pragma unroll
-            for (int n = 0; n < NT; ++n)
-#pragma unroll
-              for (int c = 0; c < 2; ++c) {
-                const int e = 2 * h + c;
-                acc[r][n][e] = fmaf(sc, raw[r][n][e], fmaf(bo, xs[n * 8 + 2 * t + c], acc[r][n][e]));
-              }
-          }
-      }
-    }
-  };
   auto compute = [&](const Round& rd, int round) {
-    if constexpr (SA) {
-      compute_sa(rd, round);
-    } else {
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       if (round + u >= mine) break;
@@ -385,10 +257,10 @@ __device__ __forceinline__ void qmm_decode(
       for (int r = 0; r < R; ++r)
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-          s2[r][h] = bits_of(T2(rd.sc[u][r][h][0], rd.sc[u][r][h][0]));
-          b2[r][h] = bits_of(T2(rd.bi[u][r][h][0], rd.bi[u][r][h][0]));
-          sf[r][h] = to_float(rd.sc[u][r][h][0]);
-          bf[r][h] = to_float(rd.bi[u][r][h][0]);
+          s2[r][h] = bits_of(T2(rd.sc[u][r][h], rd.sc[u][r][h]));
+          b2[r][h] = bits_of(T2(rd.bi[u][r][h], rd.bi[u][r][h]));
+          sf[r][h] = to_float(rd.sc[u][r][h]);
+          bf[r][h] = to_float(rd.bi[u][r][h]);
         }
 #pragma unroll
       for (int j = 0; j < 4; ++j) {  // 8 inputs per thread, two mma k-steps
@@ -428,7 +300,6 @@ __device__ __forceinline__ void qmm_decode(
           }
         }
       }
-    }
     }
   };
   for (int round = 0; round < mine; round += 2 * U) {
@@ -541,7 +412,7 @@ __device__ __forceinline__ void qmm_decode(
 // ramp and tail on the GPU.
 // RES (see qmm_decode) takes one segment: an output projection.
 template <typename T, int BITS, int GS, int NT, int R, int WR, int WK, int U, int KC, int S, int SL,
-          bool RES = false, bool SA = false>
+          bool RES = false>
 __device__ __forceinline__ void qmm_decode_segments(
     const T* __restrict__ x, const uint32_t* const (&w)[S], const T* const (&scales)[S],
     const T* const (&biases)[S], const int (&N)[S], const T* residual, const int32_t* locks,
@@ -570,7 +441,7 @@ __device__ __forceinline__ void qmm_decode_segments(
     }
   }
   if (!found) return;  // never for a grid of the segments' tiles
-  qmm_decode<T, BITS, GS, NT, R, WR, WK, U, KC, SL, RES, SA>(x, ws, ss, bs, residual, lk, os, part, M, K, n, tile);
+  qmm_decode<T, BITS, GS, NT, R, WR, WK, U, KC, SL, RES>(x, ws, ss, bs, residual, lk, os, part, M, K, n, tile);
 }
 
 }  // namespace omlx_qmm

@@ -369,29 +369,6 @@ def test_kernel_compiles_for_sm90_within_its_register_budget(tmp_path, tokens, b
     assert frame <= 16 * math.ceil(spilled / 16)  # no local arrays: the frame holds the spills alone
 
 
-
-@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not installed")
-@pytest.mark.parametrize("tiles,shape,group,split,segments,residual", [
-    (1, (1, 2, 4, 2, 4096, 2, "sa"), 64, True, 1, False), (1, (1, 2, 4, 1, 4096, 3, "sa"), 64, False, 2, False),
-    (1, (1, 2, 4, 2, 4096, 2, "sa"), 128, True, 1, True), (2, (1, 4, 2, 2, 1024, 2, 8, "sa"), 64, True, 1, False)])
-def test_scale_after_form_compiles_for_sm90_without_spills(tmp_path, tiles, shape, group, split, segments, residual):
-    config = qmm_decode.config_of(tiles, shape)
-    assert config.scale_after and config.name(mx.bfloat16, 4, group).endswith("_sa")
-    source = tmp_path / "k.cu"
-    source.write_text(qmm_decode.generated_source(config, mx.bfloat16, 4, group, split, segments=segments,
-                                                  residual=residual))
-    done = subprocess.run(["nvcc", "-arch=sm_90a", "-cubin", "-Xptxas", "-v", "-o", str(tmp_path / "k.cubin"),
-                           str(source)], capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-2000:]
-    assert int(re.search(r"(\d+) bytes spill stores", done.stderr).group(1)) <= 16
-
-
-def test_scale_after_form_takes_4_bit_groups_of_64_or_more():
-    config = qmm_decode.config_of(1, (1, 2, 4, 2, 4096, 2, "sa"))
-    assert config.fits(4, 64) and config.fits(4, 128) and not config.fits(4, 32) and not config.fits(8, 64)
-    plain = qmm_decode.config_of(1, (1, 2, 4, 2, 4096, 2))
-    assert plain.fits(8, 32) and config.shared_bytes > plain.shared_bytes  # room for the groups' sums of x
-
 # -- the dense copy ----------------------------------------------------------------------------
 
 def test_dense_copy_leaves_other_quantized_subclasses_alone(tiny_path, home):

@@ -514,7 +514,7 @@ def mlp_tail(up_step, down_layers, residual: bool):
 def config_label(config) -> str:
     c = config
     return (f"t{c.tiles} r{c.rows} n{c.warps_n} k{c.warps_k} u{c.rounds} c{c.slice_k} o{c.occupancy}"
-            + f" l{c.loads_in_flight}" + (" sa" if c.scale_after else "") + f" ctas{c.ctas}")
+            + f" l{c.loads_in_flight} ctas{c.ctas}")
 
 
 def bandwidth(nbytes: int, seconds: float) -> float:
@@ -586,10 +586,9 @@ def layers_child(tokens, repeats: int, quick: bool, sweep: bool, out: Path, call
 
 SWEEP = {  # (R, WR, WK, U, KC, occupancy[, SL]) per token bucket; the default (DEFAULTS) is first
     1: [(1, 2, 4, 2, 4096, 3), (1, 8, 1, 2, 1024, 2), (1, 8, 1, 1, 1024, 4), (1, 4, 2, 2, 2048, 2),
-        (1, 8, 1, 2, 2048, 2), (1, 2, 4, 2, 4096, 3, 4),
-        (1, 2, 4, 2, 4096, 2, "sa"), (1, 2, 4, 1, 4096, 3, "sa"), (1, 8, 1, 2, 1024, 2, "sa")],
+        (1, 8, 1, 2, 2048, 2), (1, 2, 4, 2, 4096, 3, 4)],
     2: [(1, 4, 2, 2, 1024, 2, 8), (1, 4, 2, 2, 1024, 2, 2), (1, 4, 2, 2, 1024, 2, 4),
-        (2, 2, 2, 1, 1024, 3, 8), (1, 8, 1, 1, 2048, 2, 8), (1, 4, 2, 2, 1024, 2, 8, "sa")],
+        (2, 2, 2, 1, 1024, 3, 8), (1, 8, 1, 1, 2048, 2, 8)],
     4: [(1, 4, 2, 1, 1024, 3, 8), (1, 4, 2, 1, 1024, 3, 2), (1, 4, 2, 1, 1024, 3, 4),
         (2, 2, 2, 1, 1024, 3, 8), (1, 8, 1, 1, 512, 2, 8), (2, 4, 1, 1, 1024, 2, 8)],
     8: [(1, 8, 1, 1, 512, 2, 8), (1, 8, 1, 1, 512, 2, 2), (1, 8, 1, 1, 512, 2, 4),

@@ -68,7 +68,6 @@ class Config:
     ctas: int = SMS  # the split of K aims at least at this many CTAs
     occupancy: int = 4  # most CTAs an SM holds: the register budget of the launch bounds
     stage_loads: int = 0  # SL: x loads a thread has in flight while staging (0: by block size)
-    scale_after: bool = False  # SA: scale and bias applied to each group's sums (4-bit, groups of 64+)
 
     @property
     def loads_in_flight(self) -> int:
@@ -83,16 +82,10 @@ class Config:
     def block_n(self) -> int:
         return 16 * self.rows * self.warps_n
 
-    def fits(self, bits: int, group_size: int) -> bool:
-        """Whether this shape computes the format (the scale-after form: 4 bits, groups of 64 or 128)."""
-        return not self.scale_after or (bits == 4 and group_size >= 64)
-
     @property
     def shared_bytes(self) -> int:
-        """Staged x (with SA, each group's sum of it after it), then the sums in its place."""
+        """Staged x, then the sums in its place."""
         staged = 8 * self.tiles * self.slice_k * 2
-        if self.scale_after:
-            staged += (self.slice_k // 64) * 8 * self.tiles * 4
         reduced = 8 * self.tiles * (self.block_n + 4) * 4
         return max(staged, reduced)
 
@@ -117,7 +110,7 @@ class Config:
     def name(self, dtype: mx.Dtype, bits: int, group_size: int) -> str:
         return (f"omlx_qmm_{SHORT[dtype]}_b{bits}_g{group_size}_t{self.tiles}_r{self.rows}"
                 f"_n{self.warps_n}_k{self.warps_k}_u{self.rounds}_c{self.slice_k}_o{self.per_sm}"
-                + (f"_l{self.stage_loads}" if self.stage_loads else "") + ("_sa" if self.scale_after else ""))
+                + (f"_l{self.stage_loads}" if self.stage_loads else ""))
 
 
 def tiles_for(tokens: int) -> int:
@@ -156,14 +149,12 @@ def default_config(tokens: int, bits: int) -> Config:
 
 
 def config_of(tiles: int, shape: tuple, bits: int = 4) -> Config:
-    """The Config of a launch shape (R, WR, WK, U, KC, occupancy[, SL][, "sa"]) for `tiles`
-    token tiles ("sa": the scale-after form)."""
-    scale_after = shape[-1] == "sa"
-    rows, warps_n, warps_k, rounds, slice_k, occupancy, *rest = shape[:-1] if scale_after else shape
+    """The Config of a launch shape (R, WR, WK, U, KC, occupancy[, SL]) for `tiles` token tiles."""
+    rows, warps_n, warps_k, rounds, slice_k, occupancy, *rest = shape
     if bits == 8:
         rounds, occupancy = 1, min(occupancy, 2)
     return Config(tiles, rows, warps_n, warps_k, rounds, slice_k, occupancy=occupancy,
-                  stage_loads=rest[0] if rest else 0, scale_after=scale_after)
+                  stage_loads=rest[0] if rest else 0)
 
 
 def supported(x_dtype: mx.Dtype, scales_dtype: mx.Dtype, bits: int, group_size: int, mode: str = "affine") -> str:
@@ -230,7 +221,7 @@ def body(config: Config, dtype: mx.Dtype, bits: int, group_size: int, split: boo
             f"{t}* os[] = {{{', '.join(out)}}};\n"
             f"omlx_qmm::qmm_decode_segments<{t}, {bits}, {group_size}, {c.tiles}, {c.rows}, {c.warps_n}, "
             f"{c.warps_k}, {c.rounds}, {c.slice_k}, {segments}, {c.loads_in_flight}, "
-            f"{str(residual).lower()}, {str(c.scale_after).lower()}>(x, ws, ss, bs, ns, "
+            f"{str(residual).lower()}>(x, ws, ss, bs, ns, "
             f"{'residual' if residual else 'nullptr'}, {'locks' if split else 'nullptr'}, os, "
             f"{'partial' if split else 'nullptr'}, M, x_shape[x_ndim - 1]);")
 
@@ -344,9 +335,6 @@ def launch_for(ns: tuple, k: int, tokens: int, dtype: mx.Dtype, bits: int, group
     config = config or default_config(tokens, bits)
     if 8 * config.tiles < tokens:
         raise OmlxError(f"qmm_decode: config for {8 * config.tiles} tokens given {tokens}")
-    if not config.fits(bits, group_size):
-        raise OmlxError(f"qmm_decode: the scale-after form computes 4-bit weights in groups of 64 or 128, "
-                        f"not {bits}-bit in groups of {group_size}")
     splits = config.splits(sum(ns), k)
     split = splits > 1
     return Launch(_kernel(config, dtype, bits, group_size, split, len(ns), residual),
