@@ -11,7 +11,7 @@ barely helps; omlx's `qmm_decode` kernel (kernels/qmm_decode.cu) and the dense-c
            --sweep (or a run without --quick) also checks every launch shape of SWEEP
   greedy   64-token greedy decode of tiny llama (one with tied embeddings: the head on the
            kernel too) and qwen3_5 models, stock against the kernel installed: identical tokens
-  margins  whether greedy differences are near-ties: 8 fixed prompts x tiny llama and
+  margins  whether greedy differences are near-ties: 8 fixed prompts x tiny llama (also tied) and
            qwen3_5 (4-bit g64), stock vs kernel vs dense copy (MLX's own dequantized bf16
            arithmetic, the control), and at the kernel's first difference the logit
            margins against a fp32 reference model (dequantized weights, fp32 activations)
@@ -363,10 +363,11 @@ def run_margins(workdir: Path, matmul_name: str = "kernel", count: int = 64) -> 
     from omlx_core.models.testing import build_tiny_model
 
     results = []
-    for arch in ("llama", "qwen3_5"):
-        path = workdir / f"greedy-{arch}-4bit-g64"
+    for arch, tied in (("llama", False), ("llama", True), ("qwen3_5", False)):  # tied: the head is the embedding
+        path = workdir / f"greedy-{arch}-4bit-g64{'-tied' if tied else ''}"  # the greedy part's models
         if not (path / "config.json").is_file():
-            build_tiny_model(arch, path, quantized=True, bits=4, group_size=64)
+            build_tiny_model(arch, path, quantized=True, bits=4, group_size=64,
+                             shape={"tie_word_embeddings": True} if tied else None)
         model, _ = load(str(path))
         reference, _ = load(str(path))
         fp32_reference(reference)
@@ -389,7 +390,8 @@ def run_margins(workdir: Path, matmul_name: str = "kernel", count: int = 64) -> 
             def first(other):
                 return next((i for i, (a, b) in enumerate(zip(stock, other)) if a != b), None)
 
-            row = {"arch": arch, "prompt": prompt, "kernel_identical": ours == stock, "kernel_first_difference": first(ours),
+            row = {"arch": arch, "tied": tied, "prompt": prompt, "kernel_identical": ours == stock,
+                   "kernel_first_difference": first(ours),
                    "dense_copy_identical": dense == stock, "dense_copy_first_difference": first(dense),
                    "kernel_vs_fp32_max": mx.max(mx.abs(forced_ours - truth)).item(),
                    "stock_vs_fp32_max": mx.max(mx.abs(forced_stock - truth)).item(),
