@@ -495,7 +495,7 @@ class DecodeQuantizedLinear(nn.QuantizedLinear):
 
 class DecodeQuantizedEmbedding(nn.QuantizedEmbedding):
     """A tied quantized embedding whose use as the output head (`as_linear`) runs the decode
-    kernel for 1..`max_tokens` tokens; lookups read the packed table as before.
+    kernel for `min_tokens`..`max_tokens` tokens; lookups read the packed table as before.
 
     Why: a model with tied embeddings multiplies its largest matrix (vocabulary x hidden)
     through `as_linear`, MLX's quantized matmul, which runs far below bandwidth from two
