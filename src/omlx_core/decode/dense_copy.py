@@ -172,10 +172,10 @@ def eligible(module, plan: CopyPlan) -> bool:
 
 def head_eligible(model, path: str, module, plan: CopyPlan) -> bool:
     """The tied input embedding, which the model also multiplies as its output head."""
+    from omlx_core.models.tied import tied_embedding
     from omlx_core.prefill.upcast import Float32QuantizedEmbedding
 
-    tied = bool(getattr(getattr(model, "args", None), "tie_word_embeddings", False))
-    return (plan.head and tied and path.endswith("embed_tokens")
+    return (plan.head and tied_embedding(model, path)
             and type(module) in (nn.QuantizedEmbedding, Float32QuantizedEmbedding))
 
 

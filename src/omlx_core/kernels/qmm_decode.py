@@ -628,9 +628,9 @@ def eligible(module, formats: tuple) -> bool:
 def tied_head(model, path: str, module, formats: tuple) -> bool:
     """The plain quantized input embedding of a model with tied embeddings (which also
     multiplies it as its output head), in one of `formats`."""
-    tied = bool(getattr(getattr(model, "args", None), "tie_word_embeddings", False))
-    return (tied and path.endswith("embed_tokens") and type(module) is nn.QuantizedEmbedding
-            and readable(module, formats))
+    from omlx_core.models.tied import tied_embedding
+
+    return tied_embedding(model, path) and type(module) is nn.QuantizedEmbedding and readable(module, formats)
 
 
 def applies(model) -> bool:
