@@ -266,13 +266,24 @@ def greedy_tokens(model, prompt: mx.array, count: int) -> list[int]:
     return [int(token) for token, _ in generate_step(prompt, model, max_tokens=count)]
 
 
+def tiny_checkpoint(workdir: Path, arch: str, bits: int, group: int, tied: bool = False) -> Path:
+    """The greedy and margins parts' tiny model (built once under `workdir`); `tied`: its
+    output head is the embedding's as_linear."""
+    from omlx_core.models.testing import build_tiny_model
+
+    path = workdir / f"greedy-{arch}-{bits}bit-g{group}{'-tied' if tied else ''}"
+    if not (path / "config.json").is_file():
+        build_tiny_model(arch, path, quantized=True, bits=bits, group_size=group,
+                         shape={"tie_word_embeddings": True} if tied else None)
+    return path
+
+
 def run_greedy(matmul_name: str, workdir: Path, count: int = 64, quick: bool = False) -> list[dict]:
     """One prompt token, so every step (stock and ours) multiplies one token: MLX's
     precompiled kernel, no run-time compile of its larger ones."""
     from mlx_lm.utils import load
 
     from omlx_core.decode.dense_copy import install_dense_copy
-    from omlx_core.models.testing import build_tiny_model
 
     results = []
     # (arch, bits, group, tied embeddings: the head is the embedding's as_linear)
@@ -280,11 +291,7 @@ def run_greedy(matmul_name: str, workdir: Path, count: int = 64, quick: bool = F
               (("llama", 4, 32, False), ("llama", 8, 64, False), ("llama", 4, 64, True), ("qwen3_5", 4, 64, False)))
     for arch, bits, group, tied in models:
         start = time.perf_counter()
-        path = workdir / f"greedy-{arch}-{bits}bit-g{group}{'-tied' if tied else ''}"
-        if not (path / "config.json").is_file():
-            build_tiny_model(arch, path, quantized=True, bits=bits, group_size=group,
-                             shape={"tie_word_embeddings": True} if tied else None)
-        model, _ = load(str(path))
+        model, _ = load(str(tiny_checkpoint(workdir, arch, bits, group, tied)))
         log(f"greedy {arch}: built and loaded in {time.perf_counter() - start:.1f} s")
         prompt = mx.array([42], dtype=mx.int32)
         stock = greedy_tokens(model, prompt, count)
@@ -360,14 +367,10 @@ def run_margins(workdir: Path, matmul_name: str = "kernel", count: int = 64) -> 
     from mlx_lm.utils import load
 
     from omlx_core.decode.dense_copy import install_dense_copy
-    from omlx_core.models.testing import build_tiny_model
 
     results = []
     for arch, tied in (("llama", False), ("llama", True), ("qwen3_5", False)):  # tied: the head is the embedding
-        path = workdir / f"greedy-{arch}-4bit-g64{'-tied' if tied else ''}"  # the greedy part's models
-        if not (path / "config.json").is_file():
-            build_tiny_model(arch, path, quantized=True, bits=4, group_size=64,
-                             shape={"tie_word_embeddings": True} if tied else None)
+        path = tiny_checkpoint(workdir, arch, 4, 64, tied)
         model, _ = load(str(path))
         reference, _ = load(str(path))
         fp32_reference(reference)
