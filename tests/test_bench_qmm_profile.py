@@ -4,6 +4,8 @@
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts" / "bench"))
 
 import qmm_profile  # noqa: E402
@@ -60,4 +62,6 @@ def test_parts_split_the_samples_at_the_barriers():
 def test_config_reads_a_launch_shape_as_config_of_takes_it():
     assert qmm_profile.launch_shape(None) is None and qmm_profile.launch_shape("") is None
     assert qmm_profile.launch_shape("1,4,2,1,1024,3,8") == (1, 4, 2, 1, 1024, 3, 8)
-    assert qmm_profile.launch_shape("1, 2,4,2,4096,2,sa") == (1, 2, 4, 2, 4096, 2, "sa")
+    assert qmm_profile.launch_shape("1, 2,4,2,4096,2") == (1, 2, 4, 2, 4096, 2)
+    with pytest.raises(SystemExit, match="--config '1,2,4,2,4096,2,sa': give integers"):
+        qmm_profile.launch_shape("1,2,4,2,4096,2,sa")  # the scale-after form's flag: reverted at d6b4f7c

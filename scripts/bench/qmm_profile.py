@@ -41,11 +41,13 @@ STALLS = r"regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio"
 
 
 def launch_shape(text: str | None) -> tuple | None:
-    """--config's launch shape as qmm_decode.config_of takes it: integers, a trailing flag
-    word kept as it is; None for the defaults."""
+    """--config's launch shape as qmm_decode.config_of takes it (integers); None for the defaults."""
     if not text:
         return None
-    return tuple(int(v) if v.strip().lstrip("-").isdigit() else v.strip() for v in text.split(","))
+    try:
+        return tuple(int(v) for v in text.split(","))
+    except ValueError:
+        sys.exit(f"qmm_profile.py: --config {text!r}: give integers R,WR,WK,U,KC,OCC[,SL], e.g. 1,4,2,1,1024,3,8")
 
 
 def child(tokens: list[int], k: int, n: int, shape: tuple | None = None) -> None:
@@ -170,6 +172,7 @@ def main() -> None:
         return
     from omlx_core.kernels.qmm_decode import kernel_available
 
+    launch_shape(args.config)  # a bad --config fails here, not in ncu's child
     if why := kernel_available():
         sys.exit(f"qmm_profile.py: the qmm_decode kernel is not available here: {why}")
     result = profile(tokens, k, n, args.config)
