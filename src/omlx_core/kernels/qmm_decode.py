@@ -421,15 +421,17 @@ def _takes(module, x: mx.array) -> bool:
             and x.dtype == module._dtype)
 
 
-def _product(module, x: mx.array, tokens: int) -> mx.array:
-    """x @ the module's quantized weight^T on the kernel (its launch made once per token count)."""
+def _product(module, x: mx.array, tokens: int, residual: mx.array | None = None) -> mx.array:
+    """x @ the module's quantized weight^T on the kernel, plus `residual` in the same launch
+    if given (its launch made once per token count and form)."""
     object.__setattr__(module, "calls", module.calls + 1)  # Module.__setattr__ costs microseconds
     w = module["weight"]
-    launch = module._launches.get(tokens)
+    key = tokens if residual is None else (tokens, "residual")
+    launch = module._launches.get(key)
     if launch is None:
-        launch = module._launches[tokens] = launch_for((w.shape[0],), x.shape[-1], tokens, x.dtype, module.bits,
-                                                       module.group_size)
-    return launch(x, [w, module["scales"], module["biases"]], module["_locks"])[0]
+        launch = module._launches[key] = launch_for((w.shape[0],), x.shape[-1], tokens, x.dtype, module.bits,
+                                                    module.group_size, residual=residual is not None)
+    return launch(x, [w, module["scales"], module["biases"]], module["_locks"], residual)[0]
 
 
 class DecodeQuantizedLinear(nn.QuantizedLinear):
@@ -479,18 +481,10 @@ class DecodeQuantizedLinear(nn.QuantizedLinear):
         bias, a residual of the output's shape and x's type), else MLX's add. Why: a decoder
         layer's two output projections (attention's, the MLP's down) each save the add's
         launch and a round trip of their activations."""
-        k = x.shape[-1]
-        tokens = x.size // k
-        w = self["weight"]
         if (not self.uses_kernel(x) or self._group is not None or "bias" in self or residual.dtype != x.dtype
-                or residual.shape != x.shape[:-1] + (w.shape[0],)):
+                or residual.shape != x.shape[:-1] + (self["weight"].shape[0],)):
             return residual + self(x)
-        object.__setattr__(self, "calls", self.calls + 1)
-        launch = self._launches.get((tokens, "residual"))
-        if launch is None:
-            launch = self._launches[(tokens, "residual")] = launch_for((w.shape[0],), k, tokens, x.dtype, self.bits,
-                                                                       self.group_size, residual=True)
-        return launch(x, [w, self["scales"], self["biases"]], self["_locks"], residual)[0]
+        return _product(self, x, x.size // x.shape[-1], residual)
 
 
 class DecodeQuantizedEmbedding(nn.QuantizedEmbedding):
