@@ -31,10 +31,22 @@ def test_admission_times_forwards_and_the_steps_that_admit_prompts(tiny_home):
         assert steps[-1][2] == 2 + new  # the last step generates for the running and the admitted
 
 
-def test_phases_split_an_admission_step_into_mlx_lm_parts(tiny_home):
-    steps = admission(tiny_home, "--batches", "1", "--tokens", "12", "--repeats", "1", "--running", "2",
-                      "--new", "2", "--trials", "1", "--spread", "0", "--phases")["admission"][0]["steps"]
-    assert set(steps[0][3]) == {"decode", "prefill"}  # the running batch decodes, the new prompts prefill
-    assert any({"split", "merge"} <= set(parts) for *_, parts in steps[1:])  # later they move to generation
-    for ms, _, _, parts in steps:
-        assert all(v >= 0 for v in parts.values()) and sum(parts.values()) <= ms + 0.5
+def test_phases_split_an_admission_step_into_each_generators_parts(tiny_home):
+    trials = admission(tiny_home, "--batches", "1", "--tokens", "12", "--repeats", "1", "--running", "2",
+                       "--new", "2", "--trials", "1", "--spread", "0", "--phases",
+                       "--generators", "omlx,mlx-lm")["admission"]
+    assert [t["generator"] for t in trials] == ["omlx", "mlx-lm"]
+    moves = {"omlx": {"join"}, "mlx-lm": {"split", "merge"}}  # how finished prompts move to generation
+    for trial in trials:
+        steps = trial["steps"]
+        assert set(steps[0][3]) == {"decode", "prefill"}  # the running batch decodes, the new prompts prefill
+        assert any(moves[trial["generator"]] <= set(parts) for *_, parts in steps[1:])
+        assert steps[-1][2] == 4  # both generators end with the running and the admitted generating
+        for ms, _, _, parts in steps:
+            assert all(v >= 0 for v in parts.values()) and sum(parts.values()) <= ms + 0.5
+
+
+def test_an_unknown_generator_is_a_one_line_error(tiny_home):
+    done = subprocess.run([sys.executable, str(SCRIPT), "--home", str(tiny_home), "--model", TINY,
+                           "--generators", "vllm"], capture_output=True, text=True, timeout=120, env=omlx_env(tiny_home))
+    assert done.returncode != 0 and "--generators 'vllm'" in done.stderr

@@ -11,11 +11,12 @@ from omlx_core.serve.engine import WARMUP_TOKENS, warm_up
 
 
 def test_warm_up_decodes_one_and_the_widest_batch_and_leaves_the_generator_empty(tiny_home):
-    from mlx_lm.generate import BatchGenerator
     from mlx_lm.utils import load
 
+    from omlx_core.serve.batch_generator import JoiningBatchGenerator
+
     model, _ = load(str(tiny_home / "models" / TINY))
-    generator = BatchGenerator(model, completion_batch_size=6, prefill_batch_size=4)
+    generator = JoiningBatchGenerator(model, completion_batch_size=6, prefill_batch_size=4)
     sizes = warm_up(generator, 6)
     assert {1, 6} <= sizes and max(sizes) == 6  # one sequence, max_running, and what lay between
 

@@ -49,16 +49,26 @@ def timed_ms(function) -> tuple[float, object]:
     return (time.perf_counter() - start) * 1000, result
 
 
-# A generator step's parts, as mlx-lm's BatchGenerator calls them (see --phases).
-PHASES = {"decode": ("GenerationBatch", "next"), "split": ("PromptProcessingBatch", "generate"),
-          "merge": ("GenerationBatch", "extend"), "prefill": ("PromptProcessingBatch", "prompt")}
+GENERATORS = ("omlx", "mlx-lm")
+
+
+def generator_parts(kind: str) -> tuple[type, dict]:
+    """The generator class of `kind` and its step's parts (see --phases): name -> (class, method)."""
+    generate = importlib.import_module("mlx_lm.generate")  # the module (mlx_lm.generate is also a function)
+    if kind == "mlx-lm":
+        return generate.BatchGenerator, {
+            "decode": (generate.GenerationBatch, "next"), "split": (generate.PromptProcessingBatch, "generate"),
+            "merge": (generate.GenerationBatch, "extend"), "prefill": (generate.PromptProcessingBatch, "prompt")}
+    from omlx_core.serve.batch_generator import JoiningBatchGenerator, JoiningGenerationBatch
+
+    return JoiningBatchGenerator, {
+        "join": (JoiningBatchGenerator, "_join"), "decode": (JoiningGenerationBatch, "next"),
+        "prefill": (generate.PromptProcessingBatch, "prompt")}
 
 
 @contextlib.contextmanager
-def phase_timers(spent: dict):
-    """Wrap mlx-lm's step parts so that each adds its waited-for ms to `spent[name]`."""
-    generate = importlib.import_module("mlx_lm.generate")  # the module (mlx_lm.generate is also a function)
-
+def phase_timers(spent: dict, parts: dict):
+    """Wrap a generator's step `parts` so that each adds its waited-for ms to `spent[name]`."""
     originals = []
 
     def timed(name, method):
@@ -75,8 +85,7 @@ def phase_timers(spent: dict):
         return wrapper
 
     depth: list[str] = []
-    for name, (owner, attribute) in PHASES.items():
-        cls = getattr(generate, owner)
+    for name, (cls, attribute) in parts.items():
         originals.append((cls, attribute, getattr(cls, attribute)))
         setattr(cls, attribute, timed(name, getattr(cls, attribute)))
     try:
@@ -112,13 +121,12 @@ def forwards(model, batches: list[int], lengths: list[int], repeats: int, rng: r
     return rows
 
 
-def admissions(model, running: int, news: list[int], tokens: int, spread: int, trials: int,
+def admissions(model, kind: str, running: int, news: list[int], tokens: int, spread: int, trials: int,
                rng: random.Random, phases: bool = False) -> list[dict]:
-    from mlx_lm.generate import BatchGenerator
-
+    generator_class, parts = generator_parts(kind)
     vocab = model.args.vocab_size
     most = running + max(news)
-    generator = BatchGenerator(model, completion_batch_size=most, prefill_batch_size=most)
+    generator = generator_class(model, completion_batch_size=most, prefill_batch_size=most)
     rows = []
     try:
         for new in (n for n in news for _ in range(trials)):
@@ -134,13 +142,13 @@ def admissions(model, running: int, news: list[int], tokens: int, spread: int, t
             steps = []
             while True:
                 spent: dict = {}
-                with phase_timers(spent) if phases else contextlib.nullcontext():
+                with phase_timers(spent, parts) if phases else contextlib.nullcontext():
                     ms, (prompt_responses, responses) = timed_ms(generator.next)
                 steps.append([round(ms, 1), len(prompt_responses), len(responses)] + ([spent] if phases else []))
                 if sum(r.uid in fresh for r in responses) == new:
                     break
             generator.remove(list(old | fresh))
-            rows.append({"new": new, "decode_ms": round(decode_ms, 1), "steps": steps})
+            rows.append({"generator": kind, "new": new, "decode_ms": round(decode_ms, 1), "steps": steps})
     finally:
         generator.close()
     return rows
@@ -158,8 +166,9 @@ def run(args) -> dict:
     if args.no_clear_cache:
         mx.clear_cache = lambda: None
     try:
-        report["admission"] = admissions(model, args.running, args.new, args.tokens[0], args.spread,
-                                         args.trials, rng, args.phases)
+        report["admission"] = [row for kind in args.generators
+                               for row in admissions(model, kind, args.running, args.new, args.tokens[0], args.spread,
+                                                     args.trials, rng, args.phases)]
     finally:
         mx.clear_cache = clear_cache
     return report
@@ -177,8 +186,9 @@ def main() -> None:
     parser.add_argument("--new", default="16", help="prompts admitted together, comma-separated: --trials each")
     parser.add_argument("--trials", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--generators", default="omlx", help="whose steps, comma-separated: omlx, mlx-lm")
     parser.add_argument("--phases", action="store_true",
-                        help="time each admission step's parts (decode, split, merge, prefill), each waited for")
+                        help="time each admission step's parts (decode, prefill, join or split and merge), each waited for")
     parser.add_argument("--no-clear-cache", action="store_true", help="mlx-lm's clear_cache a no-op")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
@@ -187,6 +197,10 @@ def main() -> None:
                                                for name in ("batches", "tokens", "new"))
     except OmlxError as error:
         raise SystemExit(f"admission.py: {error}") from None
+    args.generators = args.generators.split(",")
+    unknown = [kind for kind in args.generators if kind not in GENERATORS]
+    if unknown:
+        raise SystemExit(f"admission.py: --generators {unknown[0]!r}: choose from {', '.join(GENERATORS)}")
     report = run(args)
     if args.json:
         print(json.dumps(report, indent=1))
@@ -194,7 +208,7 @@ def main() -> None:
     for row in report["forward"]:
         print(f"forward {row['batch']}x{row['tokens']}: {row['ms']} ms")
     for row in report["admission"]:
-        print(f"admission of {row['new']}: decode {row['decode_ms']} ms before; "
+        print(f"{row['generator']} admission of {row['new']}: decode {row['decode_ms']} ms before; "
               f"steps (ms, prompts, generating) {row['steps']}")
 
 

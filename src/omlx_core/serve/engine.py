@@ -4,7 +4,8 @@ HTTP handlers never touch MLX. They hand the engine a `Request` (through the sch
 and read its events; anything else that needs the engine thread (loading a model to
 tokenize against it) goes through `call`, which runs a function there and returns a
 future. Per step the engine admits what the scheduler lets through, advances every
-model's mlx-lm `BatchGenerator` by one step, turns tokens into text per request
+model's generator (mlx-lm's `BatchGenerator`, its prompts joining the running batch
+as `batch_generator.JoiningBatchGenerator` has them) by one step, turns tokens into text per request
 (its own detokenizer, stop strings, EOS), and removes cancelled requests at once, so a
 client that goes away frees its slot and its KV on the next step. The step's events go
 to the HTTP side in one hand-over (`Outbox`).
@@ -62,7 +63,7 @@ def warm_up(generator, max_running: int) -> set[int]:
     runs, and on the H200 that made the first 32 requests of a cold server wait seconds
     for their first token (670 tok/s against 2,346 once warm; warming batches of 1 and 32
     alone still gave 798, docs/benchmarks/serve-h200-qwen3-8b-shape-32-streams-*.json).
-    Returns the batch sizes its decode steps ran."""
+    Returns the batch sizes its decode steps ran (a JoiningBatchGenerator's)."""
     from omlx_core.kernels.qmm_decode import shape_changes
 
     batches = dict.fromkeys((1, *shape_changes(generator.model, max_running), max_running))
@@ -73,7 +74,7 @@ def warm_up(generator, max_running: int) -> set[int]:
             if not uids:
                 break
             _, responses = generator.next()
-            decoded.add(len(responses))
+            decoded.add(generator.decoded_rows)
             uids -= {r.uid for r in responses if r.finish_reason is not None}
         if uids:  # never seen: a generator that drops sequences; serving still works, only colder
             log.warning("warm-up: %d dummy sequences did not finish; removed", len(uids))
@@ -225,10 +226,12 @@ class Engine:
 
     def _generator(self, model):
         """The model's BatchGenerator, made (and warmed up) on first use."""
-        from mlx_lm.generate import BatchGenerator, StopSequences
+        from mlx_lm.generate import StopSequences
+
+        from omlx_core.serve.batch_generator import JoiningBatchGenerator
 
         if model.generator is None:
-            generator = BatchGenerator(
+            generator = JoiningBatchGenerator(
                 model.model, completion_batch_size=self.scheduler.max_running,
                 prefill_batch_size=min(int(model.settings["server.prefill_batch"]), self.scheduler.max_running),
                 prefill_step_size=int(model.settings["prefill.chunk_size"]))
@@ -283,10 +286,10 @@ class Engine:
         model.prefill_batching.stepped(prompt_responses)
         phase = "prefill" if prompt_responses else "decode"
         self.metrics.step.labels(model_id, phase).observe(seconds)
-        new_sizes = self._new_decode_sizes(model, responses, prompt_responses)
+        new_sizes = self._new_decode_sizes(model, generator.decoded_rows)
         if seconds > SLOW_STEP_S:
             log.info("%s: a step took %.2f s (%d sequences decoded, %d prompts prefilling; %s)", model_id, seconds,
-                     len(responses), len(prompt_responses),
+                     generator.decoded_rows, len(prompt_responses),
                      f"first decode at batch size {', '.join(map(str, new_sizes))}" if new_sizes
                      else "no decode batch size met first")
         sequences = self._active[model_id]
@@ -312,13 +315,11 @@ class Engine:
         return min(chunk, budget), budget
 
     @staticmethod
-    def _new_decode_sizes(model, responses, prompt_responses) -> list[int]:
-        """Decode batch sizes this step ran for the first time: the running batch's, and
-        the prompts that moved to generation (mlx-lm decodes their first token on their
-        own). A size met first builds what is made per shape (mx.compile traces, cuDNN
-        graphs), so a slow step says whether it met one."""
-        split = sum(1 for r in prompt_responses if r.end_of_prompt)
-        new = sorted({n for n in (len(responses), split) if n} - model.decode_sizes)
+    def _new_decode_sizes(model, rows: int) -> list[int]:
+        """The step's decode batch size (`rows`, joined prompts included) if it ran for the
+        first time: a size met first builds what is made per shape (mx.compile traces,
+        cuDNN graphs), so a slow step says whether it met one."""
+        new = sorted({rows} - {0} - model.decode_sizes)
         model.decode_sizes.update(new)
         return new
 

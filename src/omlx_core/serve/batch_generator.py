@@ -1,0 +1,157 @@
+"""mlx-lm's BatchGenerator, with each prompt's last token decoded by the running batch's step.
+
+Why: mlx-lm prefills a prompt but its last token, then, in the step after, decodes that
+token in a forward of its own (the prompts that finished together, a few rows through the
+whole model) before it merges them into the running batch. On a GPU a decode forward costs
+nearly the same for 2 rows as for 32, so every admission paid about one more decode step
+that every running stream waited for: on an H100, 16 prompts took 18-21 ms beside a step of
+8-11 ms (docs/benchmarks/admission-h100-qwen3-8b-shape-phases.json).
+
+Here the finished prompts join the running batch at the start of that step, their last
+token as their next input, and the step's one forward decodes them with everyone else. A
+joined row reports nothing for that step (its input was a prompt token); its first token
+comes out in the step after, the same step as in mlx-lm. Only the order within a step and
+that one forward change: prompt processing, sampling and stop handling are mlx-lm's.
+"""
+
+import time
+
+import mlx.core as mx
+from mlx_lm.generate import BatchGenerator, GenerationBatch, PromptProcessingBatch
+from mlx_lm.models.cache import TokenBuffer
+
+
+class JoiningGenerationBatch(GenerationBatch):
+    """A GenerationBatch whose rows may have a prompt's last token as their next input
+    (`_joining`): a step decodes that token into the cache and `tokens` like any other
+    input, but reports nothing for it and does not count it as generated."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._joining = [False] * len(self.uids)
+
+    @classmethod
+    def joining(cls, prompts: PromptProcessingBatch, last_tokens: list[int]) -> "JoiningGenerationBatch":
+        """The prompts of `prompts` (prefilled but their last token) as rows whose next
+        input is that token: no forward here, unlike `PromptProcessingBatch.generate`."""
+        batch = cls.empty(prompts.model, prompts.fallback_sampler)
+        count = len(prompts.uids)
+        batch.uids = list(prompts.uids)
+        batch.prompt_cache = prompts.prompt_cache
+        batch.tokens = list(prompts.tokens)
+        batch.samplers = list(prompts.samplers)
+        batch.logits_processors = list(prompts.logits_processors)
+        batch.stop_sequences = list(prompts.stop_sequences)
+        batch.max_tokens = list(prompts.max_tokens)
+        batch._next_tokens = mx.array(last_tokens, dtype=mx.uint32)
+        no_logprobs = mx.zeros((0,))  # a joined row's first step reports no logprobs
+        batch._next_logprobs = [no_logprobs] * count
+        batch._token_context = [TokenBuffer(t) for t in batch.tokens]
+        batch._num_tokens = [0] * count
+        batch._matchers = [s.matcher() for s in batch.stop_sequences]
+        batch._joining = [True] * count
+        return batch
+
+    def extend(self, batch) -> None:
+        super().extend(batch)
+        self._joining.extend(getattr(batch, "_joining", [False] * len(batch.uids)))
+
+    def filter(self, keep: list[int]) -> None:
+        super().filter(keep)
+        self._joining = [self._joining[i] for i in keep]
+
+    def next(self) -> list:
+        """GenerationBatch.next, but a joining row's step gives no response."""
+        if not self.uids:
+            return []
+        joining, self._joining = self._joining, [False] * len(self.uids)
+        tokens, logprobs = self._step()
+        keep, responses = [], []
+        for i, uid in enumerate(self.uids):
+            if joining[i]:
+                keep.append(i)
+                continue
+            self._num_tokens[i] += 1
+            finish_reason = "length" if self._num_tokens[i] >= self.max_tokens[i] else None
+            if self._matchers[i].advance(tokens[i]):
+                finish_reason = "stop"
+            finished = finish_reason is not None
+            if not finished:
+                keep.append(i)
+            responses.append(self.Response(
+                uid=uid, token=tokens[i], logprobs=logprobs[i], finish_reason=finish_reason,
+                prompt_cache=self.extract_cache(i) if finished else None,
+                all_tokens=self.tokens[i] if finished else None))
+        if len(keep) < len(self.uids):
+            self.filter(keep)
+        return responses
+
+
+class JoiningBatchGenerator(BatchGenerator):
+    """BatchGenerator whose step joins the prompts left with their last token to the
+    running batch before it decodes (see the module docstring). `decoded_rows`: rows the
+    last step's decode forward ran, joined rows included."""
+
+    def __init__(self, model, **kwargs):
+        super().__init__(model, **kwargs)
+        self._generation_batch = JoiningGenerationBatch.empty(self.model, self.sampler)
+        self.decoded_rows = 0
+
+    def _next(self):
+        generation = self._generation_batch
+        if len(generation) >= self.completion_batch_size:  # hands full: decode only, as mlx-lm
+            return [], self._decode()
+        n = min(self.prefill_batch_size - len(self._prompt_batch),
+                self.completion_batch_size - len(generation), len(self._unprocessed_sequences))
+        if n > 0:
+            self._prompt_batch.extend(self._make_batch(n))
+        finished = [i for i, (segments, _, _) in enumerate(self._currently_processing)
+                    if len(segments) == 1 and len(segments[0]) == 1]
+        prompt_responses = self._join(finished) if finished else []
+        generation_responses = self._decode()
+        return prompt_responses + self._prefill_chunks(), generation_responses
+
+    def _decode(self) -> list:
+        """The running batch's step (joined rows included), counted as mlx-lm counts it."""
+        generation = self._generation_batch
+        self.decoded_rows = len(generation)
+        if not self.decoded_rows:
+            return []
+        started = time.perf_counter()
+        responses = generation.next()
+        self._counters.decode_time += time.perf_counter() - started
+        self._counters.generation_tokens += len(responses)
+        self._counters.generation_steps += 1
+        if self._counters.generation_steps % 512 == 0:
+            mx.clear_cache()
+        return responses
+
+    def _join(self, finished: list[int]) -> list:
+        """Move the prompts at `finished` (their last token all that is left) to the running batch."""
+        last_tokens = [self._currently_processing[i][0][0][0] for i in finished]
+        totals = [self._currently_processing[i][2] for i in finished]
+        self._currently_processing = [p for i, p in enumerate(self._currently_processing) if i not in finished]
+        joining = JoiningGenerationBatch.joining(self._prompt_batch.split(finished), last_tokens)
+        self._generation_batch.extend(joining)
+        return [PromptProcessingBatch.Response(uid, (total, total), True, True)
+                for uid, total in zip(joining.uids, totals)]
+
+    def _prefill_chunks(self) -> list:
+        """The next chunk of each prompt in the prompt batch, prefilled in one forward (as
+        mlx-lm's step does)."""
+        responses, chunks = [], []
+        for uid, processing in zip(self._prompt_batch.uids, self._currently_processing):
+            segments = processing[0]
+            chunk = segments[0][:self.prefill_step_size]
+            segments[0] = segments[0][len(chunk):]
+            end_of_segment = not segments[0]
+            if end_of_segment:
+                segments.pop(0)
+            processing[1] += len(chunk)
+            chunks.append(chunk)
+            responses.append(PromptProcessingBatch.Response(uid, (processing[1], processing[2]), end_of_segment, False))
+        self._counters.prompt_tokens += sum(len(c) for c in chunks)
+        started = time.perf_counter()
+        self._prompt_batch.prompt(chunks)
+        self._counters.prompt_time += time.perf_counter() - started
+        return responses

@@ -1,0 +1,99 @@
+"""The serve engine's JoiningBatchGenerator against mlx-lm's BatchGenerator: the same tokens
+for every sequence, in the same steps, with one forward fewer per admission (real tiny
+model, greedy, prompts admitted while others decode)."""
+
+import mlx.core as mx
+import pytest
+
+from conftest import TINY
+from omlx_core.serve.batch_generator import JoiningBatchGenerator
+
+# (step at which they are inserted, prompts as segments, max_tokens): prompts of several
+# lengths join while others decode; one has a single token, one two segments (as a prompt
+# cached up to a block boundary is inserted), one stops at its first token.
+ARRIVALS = [
+    (0, [[[3, 4, 5, 6, 7]], [[8, 9]], [[10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20]]], [9, 6, 12]),
+    (3, [[[21]], [[22, 23, 24], [25, 26, 27, 28]]], [7, 5]),
+    (5, [[[30, 31, 32, 33]], [[40, 41, 42, 43, 44, 45]]], [1, 8]),
+]
+
+
+class CountingModel:
+    """The model, counting its forwards (what a generator calls per step)."""
+
+    def __init__(self, model):
+        self.model, self.forwards = model, 0
+
+    def __call__(self, *args, **kwargs):
+        self.forwards += 1
+        return self.model(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)
+
+
+def run(generator_class, model) -> tuple[dict, dict, list]:
+    """Each sequence's tokens and the step of its first, by arrival order, and the
+    forwards of each step."""
+    counting = CountingModel(model)
+    generator = generator_class(counting, completion_batch_size=8, prefill_batch_size=4, prefill_step_size=4)
+    tokens, first_step, forwards, order = {}, {}, [], []
+    pending = list(ARRIVALS)
+    try:
+        for step in range(60):
+            while pending and pending[0][0] == step:
+                _, segments, max_tokens = pending.pop(0)
+                order += generator.insert_segments(segments, max_tokens=max_tokens)
+            before = counting.forwards
+            _, responses = generator.next()
+            forwards.append(counting.forwards - before)
+            for response in responses:
+                tokens.setdefault(response.uid, []).append(response.token)
+                first_step.setdefault(response.uid, step)
+            if not pending and len(tokens) == len(order) and all(
+                    len(tokens[u]) == m for u, m in zip(order, [m for _, _, ms in ARRIVALS for m in ms])):
+                break
+    finally:
+        generator.close()
+        mx.clear_cache()
+    return ({i: tokens.get(u) for i, u in enumerate(order)}, {i: first_step.get(u) for i, u in enumerate(order)},
+            forwards)
+
+
+@pytest.fixture(scope="module")
+def model(tiny_home):
+    from mlx_lm.utils import load
+
+    return load(str(tiny_home / "models" / TINY))[0]
+
+
+def test_joining_generator_gives_mlx_lms_tokens_in_the_same_steps_with_fewer_forwards(model):
+    from mlx_lm.generate import BatchGenerator
+
+    ours, ours_first, ours_forwards = run(JoiningBatchGenerator, model)
+    theirs, theirs_first, theirs_forwards = run(BatchGenerator, model)
+    lengths = [m for _, _, ms in ARRIVALS for m in ms]
+    assert [len(ours[i] or []) for i in range(len(lengths))] == lengths  # every sequence ran to max_tokens
+    assert ours == theirs
+    assert ours_first == theirs_first
+    # mlx-lm decodes each group of finished prompts in a forward of its own; here the
+    # running batch's forward takes them: one forward fewer per group (four groups).
+    assert sum(theirs_forwards) - sum(ours_forwards) == 4
+    assert max(ours_forwards) <= 2  # at most one decode and one prefill forward a step
+
+
+def test_a_joined_row_removed_before_its_first_token_leaves_the_others_decoding(model):
+    generator = JoiningBatchGenerator(model, completion_batch_size=8, prefill_batch_size=4, prefill_step_size=8)
+    try:
+        running, dropped = generator.insert([[3, 4, 5], [6, 7, 8, 9]], max_tokens=[6, 6])
+        generator.next()  # both prefilled but their last token
+        generator.next()  # both joined; their last tokens decoded, nothing reported
+        generator.remove([dropped])
+        seen = []
+        for _ in range(10):
+            _, responses = generator.next()
+            seen += [r.uid for r in responses]
+        assert seen == [running] * 6
+    finally:
+        generator.close()
+        mx.clear_cache()
