@@ -97,3 +97,30 @@ def test_a_joined_row_removed_before_its_first_token_leaves_the_others_decoding(
     finally:
         generator.close()
         mx.clear_cache()
+
+
+def test_after_a_join_or_a_finish_the_next_step_appends_in_place_mocked_cuda(monkeypatch):
+    """With sdpa_decode installed (its kernels mocked: no CUDA here), the caches a merge or a
+    filter makes are written in place from the next step on: mlx-lm's cache update runs only
+    in the first decode step of a cache no merge made, and the tokens are the stock model's."""
+    from mlx_lm.generate import BatchGenerator
+    from test_sdpa_decode import mock_attention, tiny_model, write_rows_on_cpu
+
+    from omlx_core.kernels import sdpa_decode
+
+    model = tiny_model("qwen3")
+    stock, _, _ = run(BatchGenerator, model)
+    mock_attention(monkeypatch, [])
+    sdpa_decode.install(model)
+    appends, in_place = [], []
+    append = sdpa_decode.append
+    monkeypatch.setattr(sdpa_decode, "append", lambda cache, *a: appends.append(cache._idx) or append(cache, *a))
+    monkeypatch.setattr(sdpa_decode, "write_rows", lambda *a: in_place.append(a[4]) or write_rows_on_cpu(*a))
+    ours, _, forwards = run(JoiningBatchGenerator, model)
+    assert ours == stock
+    layers = len(model.layers)
+    # mlx-lm's update twice a layer: the first decode step (the first prompts' cache, made
+    # by no merge) and a one-token prefill chunk (the two-segment prompt's); every other
+    # step in place, through 3 merges and 6 filters (without own_buffers, 8 times a layer)
+    assert len(appends) >= 14 * layers
+    assert len(appends) - len(in_place) == 2 * layers

@@ -224,6 +224,21 @@ def append(cache, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array,
     return k_buf, v_buf, written, row + 1
 
 
+def own_buffers(cache) -> None:
+    """Let `append` write the next row of a batch cache in place from the next step on,
+    where a merge or a filter has just made its buffers: whole arrays of their own that
+    nothing else holds (BatchKVCache.extend pads and concatenates, filter gathers), whose
+    rows from `_idx` on no reader has seen. The caller must know they are such arrays (not
+    a view: filter's shift of the left padding slices them).
+
+    Why: else the step after each merge or filter runs mlx-lm's update, its own ops in the
+    middle of the step, so the step's CUDA graphs differ from every steady step's and MLX
+    builds them anew (on an H100 the first decode after a merge took 31-32 ms against 8-11:
+    docs/benchmarks/admission-h100-qwen3-8b-shape-phases.json)."""
+    if type(cache).__name__ == "BatchKVCache" and cache.keys is not None:
+        cache._omlx_rows = (cache.keys, cache.values, cache._idx)
+
+
 # mlx-lm attention classes whose forward DecodeAttention.decode restates (one token, a cache).
 ARCHITECTURES = ("llama", "qwen2", "qwen3")
 CACHES = ("KVCache", "BatchKVCache")  # mlx-lm caches whose keys it reads: plain, or left-padded

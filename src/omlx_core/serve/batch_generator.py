@@ -12,13 +12,29 @@ token as their next input, and the step's one forward decodes them with everyone
 joined row reports nothing for that step (its input was a prompt token); its first token
 comes out in the step after, the same step as in mlx-lm. Only the order within a step and
 that one forward change: prompt processing, sampling and stop handling are mlx-lm's.
+
+A merge (and a filter, when sequences finish) makes new cache buffers. They are evaluated
+at once, in a submission of their own, and handed to sdpa_decode's in-place append
+(`own_buffers`), so the step after decodes as every steady step does (the same ops, so
+the same cached CUDA graphs), not with the copies and mlx-lm's cache update in its midst.
 """
 
 import time
 
 import mlx.core as mx
 from mlx_lm.generate import BatchGenerator, GenerationBatch, PromptProcessingBatch
-from mlx_lm.models.cache import TokenBuffer
+from mlx_lm.models.cache import BatchKVCache, TokenBuffer
+
+from omlx_core.kernels.sdpa_decode import own_buffers
+
+
+def settle(caches: list) -> None:
+    """Evaluate the batch caches' buffers that a merge or filter just made (async, as a
+    submission of their own) and let the next step append to them in place."""
+    batched = [c for c in caches if isinstance(c, BatchKVCache) and c.keys is not None]
+    mx.async_eval([a for c in batched for a in (c.keys, c.values, c.offset, c.left_padding)])
+    for cache in batched:
+        own_buffers(cache)
 
 
 class JoiningGenerationBatch(GenerationBatch):
@@ -53,12 +69,18 @@ class JoiningGenerationBatch(GenerationBatch):
         return batch
 
     def extend(self, batch) -> None:
+        merged = bool(self.prompt_cache) and bool(batch.prompt_cache)  # else one side's arrays, as they were
         super().extend(batch)
         self._joining.extend(getattr(batch, "_joining", [False] * len(batch.uids)))
+        if merged:
+            settle(self.prompt_cache)
 
     def filter(self, keep: list[int]) -> None:
+        rows = [getattr(c, "_idx", None) for c in self.prompt_cache]
         super().filter(keep)
         self._joining = [self._joining[i] for i in keep]
+        # gathered into new arrays; where the left padding shrank they are views: left alone
+        settle([c for c, row in zip(self.prompt_cache, rows) if getattr(c, "_idx", None) == row])
 
     def next(self) -> list:
         """GenerationBatch.next, but a joining row's step gives no response."""
