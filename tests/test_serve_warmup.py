@@ -10,15 +10,23 @@ from conftest import TINY, omlx_env
 from omlx_core.serve.engine import WARMUP_TOKENS, warm_up
 
 
-def test_warm_up_decodes_one_and_the_widest_batch_and_leaves_the_generator_empty(tiny_home):
+def test_warm_up_decodes_one_and_the_widest_batch_and_leaves_the_generator_empty(tiny_home, monkeypatch):
     from mlx_lm.utils import load
 
-    from omlx_core.serve.batch_generator import JoiningBatchGenerator
+    from omlx_core.serve.batch_generator import JoiningBatchGenerator, JoiningGenerationBatch
 
     model, _ = load(str(tiny_home / "models" / TINY))
     generator = JoiningBatchGenerator(model, completion_batch_size=6, prefill_batch_size=4)
+    merges, filters = [], []
+    extend, keep = JoiningGenerationBatch.extend, JoiningGenerationBatch.filter
+    monkeypatch.setattr(JoiningGenerationBatch, "extend",
+                        lambda batch, other: merges.append((len(batch.uids), len(other.uids))) or extend(batch, other))
+    monkeypatch.setattr(JoiningGenerationBatch, "filter",
+                        lambda batch, rows: filters.append((len(batch.uids), len(rows))) or keep(batch, rows))
     sizes = warm_up(generator, 6)
     assert {1, 6} <= sizes and max(sizes) == 6  # one sequence, max_running, and what lay between
+    assert (3, 3) in merges  # half of the widest batch joined the other half decoding
+    assert (6, 3) in filters  # and that half finished first
 
     (uid,) = generator.insert([[5, 6, 7]], max_tokens=[WARMUP_TOKENS + 2])
     seen = []

@@ -63,14 +63,21 @@ def warm_up(generator, max_running: int) -> set[int]:
     runs, and on the H200 that made the first 32 requests of a cold server wait seconds
     for their first token (670 tok/s against 2,346 once warm; warming batches of 1 and 32
     alone still gave 798, docs/benchmarks/serve-h200-qwen3-8b-shape-32-streams-*.json).
+    A batch of several comes as a real admission does: half of it first, the rest joining
+    it while it decodes (a merge of caches), and the first half finishing before the rest
+    (a filter), so what those build is built here too.
     Returns the batch sizes its decode steps ran (a JoiningBatchGenerator's)."""
     from omlx_core.kernels.qmm_decode import shape_changes
 
     batches = dict.fromkeys((1, *shape_changes(generator.model, max_running), max_running))
     decoded: set[int] = set()
     for batch in batches:
-        uids = set(generator.insert([list(WARMUP_PROMPT)] * batch, max_tokens=[WARMUP_TOKENS] * batch))
-        for _ in range(4 * (batch + WARMUP_TOKENS)):  # far more calls than prefill and decode take
+        first = (batch + 1) // 2
+        uids = set(generator.insert([list(WARMUP_PROMPT)] * first, max_tokens=[WARMUP_TOKENS] * first))
+        for step in range(4 * (batch + WARMUP_TOKENS)):  # far more calls than prefill and decode take
+            if step == 2 and first < batch:  # the first half decoding: the rest joins it, and outlives it
+                uids |= set(generator.insert([list(WARMUP_PROMPT)] * (batch - first),
+                                             max_tokens=[WARMUP_TOKENS + 2] * (batch - first)))
             if not uids:
                 break
             _, responses = generator.next()
