@@ -134,8 +134,10 @@ def shape_changes(model, limit: int) -> list[int]:
 # decode-h200-staging.json, last run; several column tiles per CTA lost at every shape and were
 # removed). SL = 8 from 9 tokens: the staging's wait on x was a quarter of the 32-token kernel
 # (decode-h200-qmm-ncu.json); in the chained timings it won at 16 tokens and was within the
-# run's noise at 32 and 64.
-DEFAULTS = {1: (1, 2, 4, 2, 4096, 3), 2: (1, 4, 2, 2, 1024, 2, 8), 4: (1, 4, 2, 1, 1024, 3, 8),
+# run's noise at 64. At 17-32 tokens SL = 4 won two H100 sweeps over SL = 8 (weighted 166.4
+# against 178.4 us, then 183.4 against 192.4: docs/benchmarks/decode-h100-scale-after-r2.json,
+# decode-h100-sweep-32-tokens.json).
+DEFAULTS = {1: (1, 2, 4, 2, 4096, 3), 2: (1, 4, 2, 2, 1024, 2, 8), 4: (1, 4, 2, 1, 1024, 3, 4),
             8: (1, 8, 1, 1, 512, 2, 8)}
 
 
