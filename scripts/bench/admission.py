@@ -30,6 +30,7 @@ calls after each prompt chunk a no-op, to see what it costs.
 
 import argparse
 import contextlib
+import functools
 import importlib
 import json
 import random
@@ -52,16 +53,19 @@ def timed_ms(function) -> tuple[float, object]:
 GENERATORS = ("omlx", "mlx-lm")
 
 
-def generator_parts(kind: str) -> tuple[type, dict]:
-    """The generator class of `kind` and its step's parts (see --phases): name -> (class, method)."""
+def generator_parts(kind: str) -> tuple:
+    """The generator of `kind` (made as the engine makes it) and its step's parts (see
+    --phases): name -> (class, method)."""
     generate = importlib.import_module("mlx_lm.generate")  # the module (mlx_lm.generate is also a function)
     if kind == "mlx-lm":
         return generate.BatchGenerator, {
             "decode": (generate.GenerationBatch, "next"), "split": (generate.PromptProcessingBatch, "generate"),
             "merge": (generate.GenerationBatch, "extend"), "prefill": (generate.PromptProcessingBatch, "prompt")}
-    from omlx_core.serve.batch_generator import JoiningBatchGenerator, JoiningGenerationBatch
+    from omlx_core.memory.capacity import total_memory_bytes
+    from omlx_core.serve.batch_generator import JoiningBatchGenerator, JoiningGenerationBatch, kept_cache_bytes
 
-    return JoiningBatchGenerator, {
+    engines = functools.partial(JoiningBatchGenerator, kept_cache_bytes=kept_cache_bytes(total_memory_bytes()))
+    return engines, {
         "join": (JoiningBatchGenerator, "_join"), "decode": (JoiningGenerationBatch, "next"),
         "prefill": (generate.PromptProcessingBatch, "prompt")}
 

@@ -235,11 +235,12 @@ class Engine:
         """The model's BatchGenerator, made (and warmed up) on first use."""
         from mlx_lm.generate import StopSequences
 
-        from omlx_core.serve.batch_generator import JoiningBatchGenerator
+        from omlx_core.serve.batch_generator import JoiningBatchGenerator, kept_cache_bytes
 
         if model.generator is None:
             generator = JoiningBatchGenerator(
-                model.model, completion_batch_size=self.scheduler.max_running,
+                model.model, kept_cache_bytes=kept_cache_bytes(self.guard.total_bytes),
+                completion_batch_size=self.scheduler.max_running,
                 prefill_batch_size=min(int(model.settings["server.prefill_batch"]), self.scheduler.max_running),
                 prefill_step_size=int(model.settings["prefill.chunk_size"]))
             if model.settings["server.warmup"]:
