@@ -42,7 +42,8 @@ def settle(caches: list) -> None:
 
 def kept_cache_bytes(total_bytes: int) -> int:
     """How much of MLX's buffer cache a prefill keeps: a sixteenth of the memory (5 GB of an
-    H100's 80), more than a decode step and a merge of 32 sequences' caches reuse."""
+    H100's 80). That holds what the measured admissions reuse (a decode step's buffers, a
+    merge of 32 short sequences' caches), not a long prefill's activations for ever."""
     return total_bytes // 16
 
 

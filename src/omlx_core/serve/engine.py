@@ -4,8 +4,8 @@ HTTP handlers never touch MLX. They hand the engine a `Request` (through the sch
 and read its events; anything else that needs the engine thread (loading a model to
 tokenize against it) goes through `call`, which runs a function there and returns a
 future. Per step the engine admits what the scheduler lets through, advances every
-model's generator (mlx-lm's `BatchGenerator`, its prompts joining the running batch
-as `batch_generator.JoiningBatchGenerator` has them) by one step, turns tokens into text per request
+model's generator (`batch_generator.JoiningBatchGenerator`: mlx-lm's `BatchGenerator`
+with finished prompts joining the running batch's step) by one step, turns tokens into text per request
 (its own detokenizer, stop strings, EOS), and removes cancelled requests at once, so a
 client that goes away frees its slot and its KV on the next step. The step's events go
 to the HTTP side in one hand-over (`Outbox`).
@@ -232,7 +232,7 @@ class Engine:
         return self._samplers[key]
 
     def _generator(self, model):
-        """The model's BatchGenerator, made (and warmed up) on first use."""
+        """The model's JoiningBatchGenerator, made (and warmed up) on first use."""
         from mlx_lm.generate import StopSequences
 
         from omlx_core.serve.batch_generator import JoiningBatchGenerator, kept_cache_bytes
