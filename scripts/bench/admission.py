@@ -62,12 +62,13 @@ def generator_parts(kind: str) -> tuple:
             "decode": (generate.GenerationBatch, "next"), "split": (generate.PromptProcessingBatch, "generate"),
             "merge": (generate.GenerationBatch, "extend"), "prefill": (generate.PromptProcessingBatch, "prompt")}
     from omlx_core.memory.capacity import total_memory_bytes
-    from omlx_core.serve.batch_generator import JoiningBatchGenerator, JoiningGenerationBatch, kept_cache_bytes
+    from omlx_core.serve.batch_generator import (CachedPromptBatch, JoiningBatchGenerator, JoiningGenerationBatch,
+                                                 kept_cache_bytes)
 
-    engines = functools.partial(JoiningBatchGenerator, kept_cache_bytes=kept_cache_bytes(total_memory_bytes()))
-    return engines, {
+    as_served = functools.partial(JoiningBatchGenerator, kept_cache_bytes=kept_cache_bytes(total_memory_bytes()))
+    return as_served, {
         "join": (JoiningBatchGenerator, "_join"), "decode": (JoiningGenerationBatch, "next"),
-        "prefill": (generate.PromptProcessingBatch, "prompt")}
+        "prefill": (CachedPromptBatch, "prompt")}
 
 
 @contextlib.contextmanager
