@@ -128,10 +128,10 @@ def forwards(model, batches: list[int], lengths: list[int], repeats: int, rng: r
 
 def admissions(model, kind: str, running: int, news: list[int], tokens: int, spread: int, trials: int,
                rng: random.Random, phases: bool = False) -> list[dict]:
-    generator_class, parts = generator_parts(kind)
+    make_generator, parts = generator_parts(kind)
     vocab = model.args.vocab_size
     most = running + max(news)
-    generator = generator_class(model, completion_batch_size=most, prefill_batch_size=most)
+    generator = make_generator(model, completion_batch_size=most, prefill_batch_size=most)
     rows = []
     try:
         for new in (n for n in news for _ in range(trials)):
