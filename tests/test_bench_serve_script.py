@@ -20,7 +20,7 @@ def serve_bench(home, *args: str) -> subprocess.CompletedProcess:
 def test_omlx_against_omlx_with_other_settings(tiny_home):
     done = serve_bench(tiny_home, "--concurrency", "2", "--requests", "3", "--ctx", "16", "--gen", "4",
                        "--against", "omlx", "--set", "server.prefill_batch=1",
-                       "--against-set", "server.prefill_batch=2", "--prime", "--quiet", "--json")
+                       "--against-set", "server.prefill_batch=2", "--prime", "--step-log", "--quiet", "--json")
     assert done.returncode == 0, done.stderr
     report = json.loads(done.stdout)
     assert report["baseline"] == "omlx-baseline" and report["ratio_generation_tps"] > 0
@@ -38,6 +38,13 @@ def test_omlx_against_omlx_with_other_settings(tiny_home):
     assert ours["engine_steps"]["decode"]["steps"] >= 1
     assert 0 <= ours["engine_steps"]["decode"]["slow"] < ours["engine_steps"]["decode"]["steps"]  # a tiny step is fast
     assert report["summary"]["omlx"]["completed"] == report["summary"]["omlx-baseline"]["completed"] == 3
+    # --step-log: the server logged every step the metrics counted, each in its phase
+    logged = ours["step_log"]
+    assert len(logged["prefill_steps"]) == ours["engine_steps"]["prefill"]["steps"]
+    assert logged["decode_steps"]["count"] == ours["engine_steps"]["decode"]["steps"]
+    assert all(ms > 0 for ms, _, _ in logged["prefill_steps"])
+    prompts = 1 + 2 + 3  # the calibration's, the warm-up's, the measured: each prefilled but its last token
+    assert sum(tokens for _, _, tokens in logged["prefill_steps"]) >= prompts * (16 - 1)
 
 
 def test_a_bad_setting_is_refused_before_any_server_starts(tiny_home):

@@ -153,3 +153,36 @@ def test_a_prefill_empties_mlxs_buffer_cache_only_above_the_kept_bytes(model, mo
     theirs = clears(BatchGenerator)  # mlx-lm: after each chunk and after a padded batch's finalize
     assert theirs[1] == 2 and min(theirs[:3]) >= 1
     assert clears(JoiningBatchGenerator, kept_cache_bytes=kept) == ([1, 1, 1, 0] if kept == 0 else [0, 0, 0, 0])
+
+
+@pytest.mark.parametrize("padding, keep", [
+    ([3, 1, 0, 2], [0, 2, 3]),  # a kept row unpadded: no shift
+    ([3, 1, 0, 2], [1, 3]),  # the padding shrinks by 1: every layer shifted
+    ([3, 1, 0, 2], [2]),
+    ([3, 1, 1, 2], [0, 1, 2, 3]),  # every row stays (no gather), the padding still shifts
+])
+def test_filter_caches_leaves_what_batch_kv_caches_own_filter_leaves(padding, keep):
+    """filter_caches reads the left padding once for all layers; each layer must end as
+    mlx-lm's BatchKVCache.filter leaves it (rows, shifted padding, offsets, write position)."""
+    from mlx_lm.models.cache import BatchKVCache
+
+    from omlx_core.serve.batch_generator import filter_caches
+
+    def layers(count: int = 3) -> list:
+        caches = []
+        for layer in range(count):
+            cache = BatchKVCache(list(padding))  # four left-padded prompts
+            keys = mx.random.normal((4, 2, 7, 8), key=mx.random.key(layer))
+            cache.update_and_fetch(keys, keys * 2)
+            caches.append(cache)
+        return caches
+
+    ours, theirs = layers(), layers()
+    filter_caches(ours, list(keep))
+    for cache in theirs:
+        cache.filter(list(keep))
+    for mine, stock in zip(ours, theirs):
+        assert mine._idx == stock._idx
+        for name in ("keys", "values", "offset", "left_padding"):
+            assert mx.array_equal(getattr(mine, name), getattr(stock, name)).item(), name
+    assert theirs[0]._idx == 7 - min(padding[i] for i in keep)  # mlx-lm's shift, as the case says

@@ -32,7 +32,11 @@ baseline omlx server from another checkout's code (DIR/src first on its PYTHONPA
 of two commits, e.g. a branch extracted with `git archive BRANCH src kernels | tar -x -C DIR`.
 Each omlx server's
 `omlx_engine_step_seconds` (steps and seconds by phase: decode only, or with admissions'
-prefill) is read from /metrics after its level: the warm-up's steps included.
+prefill) is read from /metrics after its level: the warm-up's steps included. `--step-log`
+runs the omlx servers at debug level, where the engine logs every step, and reports each
+step that prefilled (milliseconds, sequences decoded, prompt tokens) and the decode-only
+steps' median and sum: where a level's time went, step by step (an older baseline checkout
+that does not log steps reports none).
 
 Every request streams `max_tokens` = --gen with `ignore_eos`; omlx honours it, mlx_lm.server
 does not and may stop at EOS, so tokens are counted as each server reports them and the
@@ -51,12 +55,14 @@ the first server once, unmeasured, before round 0.
 
     .venv/bin/python scripts/bench/serve.py [--model default] [--concurrency 8] [--requests 32]
         [--ctx 128] [--gen 64] [--rounds 1] [--prime] [--endpoint completions|chat]
-        [--set KEY=VALUE ...] [--against mlx-lm|omlx] [--against-set KEY=VALUE ...] [--against-src DIR] [--json]
+        [--set KEY=VALUE ...] [--against mlx-lm|omlx] [--against-set KEY=VALUE ...] [--against-src DIR]
+        [--step-log] [--json]
 """
 
 import argparse
 import json
 import os
+import re
 import shutil
 import socket
 import statistics
@@ -75,11 +81,11 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def omlx_command(home: Path, model: str, port: int, concurrency: int) -> list[str]:
+def omlx_command(home: Path, model: str, port: int, concurrency: int, log_level: str = "info") -> list[str]:
     script = Path(sys.executable).parent / "omlx"
     entry = [str(script)] if script.is_file() else \
         [sys.executable, "-c", "from omlx_cli.main import run; run()"]
-    return entry + ["--home", str(home), "--log-level", "info", "serve", "--model", model, "--host", "127.0.0.1",
+    return entry + ["--home", str(home), "--log-level", log_level, "serve", "--model", model, "--host", "127.0.0.1",
                     "--port", str(port), "--max-concurrency", str(concurrency)]
 
 
@@ -191,6 +197,28 @@ def engine_steps(url: str) -> dict:
     return steps
 
 
+STEP_LINE = re.compile(r": (prefill|decode) step ([\d.]+) ms, (\d+) sequences decoded, (\d+) prompt tokens prefilled")
+
+
+def step_log(log: Path) -> dict:
+    """The engine steps an omlx server logged at debug level (--step-log), the warm-up's
+    included: each step that admitted prompts (the engine's prefill phase: a prefill chunk or
+    prompts joining) as [ms, sequences decoded, prompt tokens prefilled], in order, and the
+    decode-only steps' count and milliseconds (median, p90, sum)."""
+    prefill, decode = [], []
+    for match in STEP_LINE.finditer(log.read_text(errors="replace")):
+        ms, decoded, tokens = float(match[2]), int(match[3]), int(match[4])
+        if match[1] == "prefill":
+            prefill.append([ms, decoded, tokens])
+        else:
+            decode.append(ms)
+    decode.sort()
+    return {"prefill_steps": prefill,
+            "decode_steps": {"count": len(decode), "median_ms": statistics.median(decode) if decode else None,
+                             "p90_ms": decode[int(0.9 * (len(decode) - 1))] if decode else None,
+                             "sum_ms": round(sum(decode), 2)}}
+
+
 def run_one(name: str, command: list[str], port: int, log: Path, workload, args,
             settings: dict | None = None) -> dict:
     from omlx_core.bench.serving import Server, run_serving
@@ -208,11 +236,13 @@ def run_one(name: str, command: list[str], port: int, log: Path, workload, args,
             steps = engine_steps(server.url)
     finally:
         code = server.stop(args.stop_timeout)
+    logged = step_log(log) if args.step_log and name != MLX_LM else None
     result = document["results"][0]
     print(f"{name}: {result['generation_tps'] or 0:.2f} tok/s, {result['completed']}/"
           f"{result['requests']} done, stopped (exit {code})", file=sys.stderr)
     return {"server": name, "command": command, "settings": settings or {}, "startup_s": round(startup, 2),
-            "exit_code": code, "log": str(log), "result": result, "engine_steps": steps, "document": document}
+            "exit_code": code, "log": str(log), "result": result, "engine_steps": steps, "step_log": logged,
+            "document": document}
 
 
 def _progress(name: str):
@@ -275,7 +305,7 @@ def run(args) -> dict:
     def level(name: str, log_name: str) -> dict:
         port = free_port()
         command = mlx_lm_command(ref.path, port) if name == MLX_LM \
-            else omlx_command(home, args.model, port, args.concurrency)
+            else omlx_command(home, args.model, port, args.concurrency, "debug" if args.step_log else "info")
         return run_one(name, command, port, logs / f"{log_name}.log", workload, args, settings[name])
 
     primed = None
@@ -380,6 +410,8 @@ def print_table(report: dict) -> None:
     for name, found in report["rounds"].items():
         if found and found[-1]["engine_steps"]:
             console.print(engine_line(name, found[-1]["engine_steps"]), style="dim")
+        if found and found[-1].get("step_log"):
+            console.print(step_line(name, found[-1]["step_log"]), style="dim")
     print(ttft_line(report))
     print(final_line(report))
 
@@ -390,6 +422,15 @@ def engine_line(name: str, steps: dict) -> str:
              f"{int(s['slow'])} over {float(SLOW_STEP) * 1000:.0f} ms"
              for phase, s in sorted(steps.items()) if s.get("steps")]
     return f"{name} engine (last round, warm-up included): " + "; ".join(parts)
+
+
+def step_line(name: str, logged: dict) -> str:
+    """One omlx server's logged steps (--step-log, its last round, the warm-up included)."""
+    prefill, decode = logged["prefill_steps"], logged["decode_steps"]
+    shown = ", ".join(f"{ms:.0f} ms/{tokens} tok" for ms, _, tokens in prefill)
+    return (f"{name} steps logged: {decode['count']} decode-only, median {_num(decode['median_ms'])} ms, "
+            f"p90 {_num(decode['p90_ms'])} ms; {len(prefill)} with prefill, "
+            f"{sum(ms for ms, _, _ in prefill):,.0f} ms in all: {shown}")
 
 
 def main() -> None:
@@ -428,6 +469,9 @@ def main() -> None:
                         help="seconds between SIGTERM and SIGKILL")
     parser.add_argument("--log-dir", default=None, help="keep server logs here (default: a temp dir)")
     parser.add_argument("--keep-logs", action="store_true", help="keep the temp dir of server logs")
+    parser.add_argument("--step-log", action="store_true",
+                        help="omlx servers log every engine step (debug level); the report lists each step "
+                             "that prefilled and sums the decode-only ones")
     parser.add_argument("--quiet", action="store_true", help="no progress on stderr")
     parser.add_argument("--json", action="store_true", help="print one JSON report")
     args = parser.parse_args()

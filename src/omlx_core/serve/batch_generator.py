@@ -20,6 +20,12 @@ the same cached CUDA graphs), not with the copies and mlx-lm's cache update in i
 
 And MLX's buffer cache is kept after a prefill chunk, up to a bound (`CachedPromptBatch`),
 where mlx-lm empties it.
+
+Nothing here reads an array back while a step is queued but the step's own tokens: a filter
+reads the left padding once, from arrays already evaluated (`filter_caches`), and a step
+splits no log-probabilities per row and takes no finished row's cache out (omlx reports and
+reads neither). In mlx-lm each of those is a read per layer or an array per row: on a GPU,
+a wait for the queued step, so the host builds the next one while the GPU idles.
 """
 
 import time
@@ -31,6 +37,9 @@ from mlx_lm.models.cache import BatchKVCache, TokenBuffer
 from omlx_core.kernels.sdpa_decode import own_buffers
 
 
+NO_LOGPROBS = mx.zeros((0,))  # what a response holds for its logprobs: omlx reports none
+
+
 def settle(caches: list) -> None:
     """Evaluate the batch caches' buffers that a merge or filter just made (async, as a
     submission of their own) and let the next step append to them in place."""
@@ -38,6 +47,47 @@ def settle(caches: list) -> None:
     mx.async_eval([a for c in batched for a in (c.keys, c.values, c.offset, c.left_padding)])
     for cache in batched:
         own_buffers(cache)
+
+
+def filter_caches(caches: list, keep: list[int]) -> None:
+    """Keep the rows `keep` of a batch's layer caches, as each cache's own `filter` does, but
+    with the left padding read back once for all BatchKVCache layers (every layer of a batch
+    holds the same), from the array as it stood, not from the gathered one.
+
+    Why: BatchKVCache.filter reads each layer's gathered left padding back to shift it. On a
+    GPU the first read waits for the decode step already queued behind it, and the layers'
+    reads follow one by one (36 round trips on a Qwen3-8B), while the step after waits to be
+    built: every filter (a sequence finished) and every split of the prompt batch cost a
+    pipelined step. Other caches filter themselves."""
+    batched = [c for c in caches if type(c) is BatchKVCache]
+    for cache in caches:
+        if type(cache) is not BatchKVCache:
+            cache.filter(keep)
+    if not batched:
+        return
+    shift = min(batched[0].left_padding.tolist()[i] for i in keep)
+    rows = None if keep == list(range(batched[0].offset.shape[0])) else mx.array(keep)  # None: every row stays
+    for cache in batched:
+        if rows is not None:
+            if cache.keys is not None:
+                cache.keys, cache.values = cache.keys[rows], cache.values[rows]
+            cache.offset, cache.left_padding = cache.offset[rows], cache.left_padding[rows]
+        if shift > 0:
+            if cache.keys is not None:
+                cache.keys, cache.values = cache.keys[..., shift:, :], cache.values[..., shift:, :]
+            cache._idx -= shift
+            cache.left_padding = cache.left_padding - shift
+
+
+class FilterOnce:
+    """A prompt or generation batch whose `filter` filters its caches with `filter_caches`."""
+
+    def filter(self, keep: list[int]) -> None:
+        caches, self.prompt_cache = self.prompt_cache, []
+        super().filter(keep)  # every list of rows but the caches
+        if keep:
+            filter_caches(caches, keep)
+            self.prompt_cache = caches
 
 
 def kept_cache_bytes(total_bytes: int) -> int:
@@ -51,7 +101,7 @@ def _no_clear() -> None:
     """mx.clear_cache while CachedPromptBatch.prompt runs."""
 
 
-class CachedPromptBatch(PromptProcessingBatch):
+class CachedPromptBatch(FilterOnce, PromptProcessingBatch):
     """mlx-lm's prompt batch, but MLX's buffer cache is emptied after a prefill only where
     it holds more than `kept_bytes`, not after every chunk.
 
@@ -75,7 +125,7 @@ class CachedPromptBatch(PromptProcessingBatch):
             mx.clear_cache()
 
 
-class JoiningGenerationBatch(GenerationBatch):
+class JoiningGenerationBatch(FilterOnce, GenerationBatch):
     """A GenerationBatch whose rows may have a prompt's last token as their next input
     (`_joining`): a step decodes that token into the cache and `tokens` like any other
     input, but reports nothing for it and does not count it as generated."""
@@ -98,8 +148,7 @@ class JoiningGenerationBatch(GenerationBatch):
         batch.stop_sequences = list(prompts.stop_sequences)
         batch.max_tokens = list(prompts.max_tokens)
         batch._next_tokens = mx.array(last_tokens, dtype=mx.uint32)
-        no_logprobs = mx.zeros((0,))  # a joined row's first step reports no logprobs
-        batch._next_logprobs = [no_logprobs] * count
+        batch._next_logprobs = [NO_LOGPROBS] * count
         batch._token_context = [TokenBuffer(t) for t in batch.tokens]
         batch._num_tokens = [0] * count
         batch._matchers = [s.matcher() for s in batch.stop_sequences]
@@ -120,8 +169,32 @@ class JoiningGenerationBatch(GenerationBatch):
         # gathered into new arrays; where the left padding shrank they are views: left alone
         settle([c for c, row in zip(self.prompt_cache, rows) if getattr(c, "_idx", None) == row])
 
+    def _step(self) -> tuple[list[int], list]:
+        """GenerationBatch._step without the rows' log-probabilities split apart (omlx's API
+        reports none, and the split made an array per row each step, 32 at 32 streams, for
+        the host to build and MLX to evaluate); with logits processors, mlx-lm's own."""
+        if any(self.logits_processors):
+            return super()._step()
+        inputs = self._current_tokens = self._next_tokens
+        logits = self.model(inputs[:, None], cache=self.prompt_cache)[:, -1, :]
+        logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+        samplers = [s or self.fallback_sampler for s in self.samplers or [None] * len(self.uids)]
+        if all(s is samplers[0] for s in samplers):
+            sampled = samplers[0](logprobs)
+        else:
+            sampled = mx.concatenate([s(logprobs[e:e + 1]) for e, s in enumerate(samplers)], axis=0)
+        self._next_tokens = sampled
+        mx.async_eval(sampled)  # the next step's tokens, computed while this step's are read
+        tokens = inputs.tolist()
+        for row, token in zip(self.tokens, tokens):
+            row.append(token)
+        self._current_logprobs = self._next_logprobs = [NO_LOGPROBS] * len(tokens)
+        return tokens, self._current_logprobs
+
     def next(self) -> list:
-        """GenerationBatch.next, but a joining row's step gives no response."""
+        """GenerationBatch.next, but a joining row's step gives no response, and a finished
+        row's response no cache (omlx never reads it, and taking it out read every layer's
+        left padding back: on a GPU, a wait for the queued step and a round trip a layer)."""
         if not self.uids:
             return []
         joining, self._joining = self._joining, [False] * len(self.uids)
@@ -140,8 +213,7 @@ class JoiningGenerationBatch(GenerationBatch):
                 keep.append(i)
             responses.append(self.Response(
                 uid=uid, token=tokens[i], logprobs=logprobs[i], finish_reason=finish_reason,
-                prompt_cache=self.extract_cache(i) if finished else None,
-                all_tokens=self.tokens[i] if finished else None))
+                prompt_cache=None, all_tokens=self.tokens[i] if finished else None))
         if len(keep) < len(self.uids):
             self.filter(keep)
         return responses
@@ -151,17 +223,18 @@ class JoiningBatchGenerator(BatchGenerator):
     """BatchGenerator whose step joins the prompts left with their last token to the
     running batch before it decodes, and whose prefill keeps up to `kept_cache_bytes` of
     MLX's buffer cache (see the module docstring). `decoded_rows`: rows the last step's
-    decode forward ran, joined rows included."""
+    decode forward ran, joined rows included; `prefilled_tokens`: prompt tokens it prefilled."""
 
     def __init__(self, model, kept_cache_bytes: int = 0, **kwargs):
         super().__init__(model, **kwargs)
         self._generation_batch = JoiningGenerationBatch.empty(self.model, self.sampler)
         self._prompt_batch = CachedPromptBatch.empty(self.model, self.sampler, prefill_step_size=self.prefill_step_size)
         self._prompt_batch.kept_bytes = kept_cache_bytes
-        self.decoded_rows = 0
+        self.decoded_rows = self.prefilled_tokens = 0
 
     def _next(self):
         generation = self._generation_batch
+        self.prefilled_tokens = 0
         if len(generation) >= self.completion_batch_size:  # hands full: decode only, as mlx-lm
             return [], self._decode()
         n = min(self.prefill_batch_size - len(self._prompt_batch),
@@ -185,8 +258,8 @@ class JoiningBatchGenerator(BatchGenerator):
         self._counters.decode_time += time.perf_counter() - started
         self._counters.generation_tokens += len(responses)
         self._counters.generation_steps += 1
-        if self._counters.generation_steps % 512 == 0:
-            mx.clear_cache()
+        if self._counters.generation_steps % 512 == 0 and mx.get_cache_memory() > self._prompt_batch.kept_bytes:
+            mx.clear_cache()  # mlx-lm's, every 512 steps; but as a prefill does, only above the kept bytes
         return responses
 
     def _join(self, finished: list[int]) -> list:
@@ -213,7 +286,8 @@ class JoiningBatchGenerator(BatchGenerator):
             processing[1] += len(chunk)
             chunks.append(chunk)
             responses.append(PromptProcessingBatch.Response(uid, (processing[1], processing[2]), end_of_segment, False))
-        self._counters.prompt_tokens += sum(len(c) for c in chunks)
+        self.prefilled_tokens = sum(len(c) for c in chunks)
+        self._counters.prompt_tokens += self.prefilled_tokens
         started = time.perf_counter()
         self._prompt_batch.prompt(chunks)
         self._counters.prompt_time += time.perf_counter() - started
