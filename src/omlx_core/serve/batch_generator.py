@@ -77,6 +77,7 @@ def filter_caches(caches: list, keep: list[int]) -> None:
                 cache.keys, cache.values = cache.keys[..., shift:, :], cache.values[..., shift:, :]
             cache._idx -= shift
             cache.left_padding = cache.left_padding - shift
+    mx.async_eval([a for c in batched for a in (c.offset, c.left_padding)])  # ready for the next filter's read
 
 
 class FilterOnce:
