@@ -127,21 +127,24 @@ def test_after_a_join_or_a_finish_the_next_step_appends_in_place_mocked_cuda(mon
 
 
 @pytest.mark.parametrize("kept", [0, 1 << 40])
-def test_a_prefill_empties_mlxs_buffer_cache_only_above_the_kept_bytes(model, monkeypatch, kept):
-    """mlx-lm empties MLX's buffer cache after every prefill chunk; the prompt batch here
-    once after a prefill step at most, where the cache holds more than `kept_cache_bytes`."""
+def test_mlxs_buffer_cache_is_emptied_only_above_the_kept_bytes(model, monkeypatch, kept):
+    """mlx-lm empties MLX's buffer cache after every prefill chunk and every 512 decode
+    steps; the generator here once after a prefill step at most, and at the 512th decode
+    step, only where the cache holds more than `kept_cache_bytes`."""
     from mlx_lm.generate import BatchGenerator
 
     def clears(generator_class, **kwargs) -> list[int]:
         """Each step's clear_cache calls: two prompts of 10 and 7 tokens, prefilled 4 at a
-        time (3 prefill steps), then a decode step."""
+        time (3 prefill steps), then two decode steps, the second counted as the 512th."""
         cleared = []
         monkeypatch.setattr(mx, "clear_cache", lambda: cleared.append(1))
         generator = generator_class(model, prefill_batch_size=4, prefill_step_size=4, **kwargs)
         steps = []
         try:
             generator.insert([list(range(3, 13)), list(range(20, 27))], max_tokens=[3, 3])
-            for _ in range(4):
+            for step in range(5):
+                if step == 4:  # the 512th decode step, where mlx-lm empties the cache once more
+                    generator._counters.generation_steps = 511
                 before = len(cleared)
                 generator.next()
                 steps.append(len(cleared) - before)
@@ -151,8 +154,8 @@ def test_a_prefill_empties_mlxs_buffer_cache_only_above_the_kept_bytes(model, mo
         return steps
 
     theirs = clears(BatchGenerator)  # mlx-lm: after each chunk and after a padded batch's finalize
-    assert theirs[1] == 2 and min(theirs[:3]) >= 1
-    assert clears(JoiningBatchGenerator, kept_cache_bytes=kept) == ([1, 1, 1, 0] if kept == 0 else [0, 0, 0, 0])
+    assert theirs[1] == 2 and min(theirs[:3]) >= 1 and theirs[4] == 1
+    assert clears(JoiningBatchGenerator, kept_cache_bytes=kept) == ([1, 1, 1, 0, 1] if kept == 0 else [0] * 5)
 
 
 @pytest.mark.parametrize("padding, keep", [

@@ -18,8 +18,8 @@ at once, in a submission of their own, and handed to sdpa_decode's in-place appe
 (`own_buffers`), so the step after decodes as every steady step does (the same ops, so
 the same cached CUDA graphs), not with the copies and mlx-lm's cache update in its midst.
 
-And MLX's buffer cache is kept after a prefill chunk, up to a bound (`CachedPromptBatch`),
-where mlx-lm empties it.
+And MLX's buffer cache is kept after a prefill chunk and at every 512th decode step, up to
+a bound (`CachedPromptBatch`, `kept_cache_bytes`), where mlx-lm empties it.
 
 Nothing here reads an array back while a step is queued but the step's own tokens: a filter
 reads the left padding once, from arrays already evaluated (`filter_caches`), and a step
@@ -222,8 +222,8 @@ class JoiningGenerationBatch(FilterOnce, GenerationBatch):
 
 class JoiningBatchGenerator(BatchGenerator):
     """BatchGenerator whose step joins the prompts left with their last token to the
-    running batch before it decodes, and whose prefill keeps up to `kept_cache_bytes` of
-    MLX's buffer cache (see the module docstring). `decoded_rows`: rows the last step's
+    running batch before it decodes, and which keeps up to `kept_cache_bytes` of MLX's
+    buffer cache (see the module docstring). `decoded_rows`: rows the last step's
     decode forward ran, joined rows included; `prefilled_tokens`: prompt tokens it prefilled."""
 
     def __init__(self, model, kept_cache_bytes: int = 0, **kwargs):
