@@ -33,10 +33,11 @@ of two commits, e.g. a branch extracted with `git archive BRANCH src kernels | t
 Each omlx server's
 `omlx_engine_step_seconds` (steps and seconds by phase: decode only, or with admissions'
 prefill) is read from /metrics after its level: the warm-up's steps included. `--step-log`
-runs the omlx servers at debug level, where the engine logs every step, and reports each
-step that prefilled (milliseconds, sequences decoded, prompt tokens) and the decode-only
-steps' median and sum: where a level's time went, step by step (an older baseline checkout
-that does not log steps reports none).
+runs the omlx servers at debug level, where the engine logs every step, and reports the
+measured level's steps (the warm-up's left out): each step that admitted prompts (when,
+milliseconds, sequences decoded, prompt tokens prefilled), the decode-only steps' count,
+median and sum, and the wall time outside any step: where the level's time went (an older
+baseline checkout that does not log steps reports none).
 
 Every request streams `max_tokens` = --gen with `ignore_eos`; omlx honours it, mlx_lm.server
 does not and may stop at EOS, so tokens are counted as each server reports them and the
@@ -197,26 +198,34 @@ def engine_steps(url: str) -> dict:
     return steps
 
 
-STEP_LINE = re.compile(r": (prefill|decode) step ([\d.]+) ms, (\d+) sequences decoded, (\d+) prompt tokens prefilled")
+STEP_LINE = re.compile(r": (prefill|decode) step at ([\d.]+): ([\d.]+) ms, (\d+) sequences decoded, "
+                       r"(\d+) prompt tokens prefilled")
 
 
-def step_log(log: Path) -> dict:
-    """The engine steps an omlx server logged at debug level (--step-log), the warm-up's
-    included: each step that admitted prompts (the engine's prefill phase: a prefill chunk or
-    prompts joining) as [ms, sequences decoded, prompt tokens prefilled], in order, and the
-    decode-only steps' count and milliseconds (median, p90, sum)."""
+def step_log(log: Path, window: list[float]) -> dict:
+    """The engine steps an omlx server logged at debug level (--step-log) that began within
+    the measured level's `window` (the client's monotonic clock, which a local server's
+    shares): each step that admitted prompts (the engine's prefill phase: a prefill chunk or
+    prompts joining) as [seconds into the level, ms, sequences decoded, prompt tokens
+    prefilled], the decode-only steps' count and ms (median, p90, sum), and the ms of the
+    level that no step took (the engine between steps, or idle)."""
+    start, end = window
     prefill, decode = [], []
     for match in STEP_LINE.finditer(log.read_text(errors="replace")):
-        ms, decoded, tokens = float(match[2]), int(match[3]), int(match[4])
+        at, ms, decoded, tokens = float(match[2]), float(match[3]), int(match[4]), int(match[5])
+        if not start <= at <= end:
+            continue
         if match[1] == "prefill":
-            prefill.append([ms, decoded, tokens])
+            prefill.append([round(at - start, 3), ms, decoded, tokens])
         else:
             decode.append(ms)
     decode.sort()
+    busy = sum(ms for _, ms, _, _ in prefill) + sum(decode)
     return {"prefill_steps": prefill,
             "decode_steps": {"count": len(decode), "median_ms": statistics.median(decode) if decode else None,
                              "p90_ms": decode[int(0.9 * (len(decode) - 1))] if decode else None,
-                             "sum_ms": round(sum(decode), 2)}}
+                             "sum_ms": round(sum(decode), 1)},
+            "outside_steps_ms": round((end - start) * 1000 - busy, 1)}
 
 
 def run_one(name: str, command: list[str], port: int, log: Path, workload, args,
@@ -236,8 +245,8 @@ def run_one(name: str, command: list[str], port: int, log: Path, workload, args,
             steps = engine_steps(server.url)
     finally:
         code = server.stop(args.stop_timeout)
-    logged = step_log(log) if args.step_log and name != MLX_LM else None
     result = document["results"][0]
+    logged = step_log(log, result["window_s"]) if args.step_log and name != MLX_LM else None
     print(f"{name}: {result['generation_tps'] or 0:.2f} tok/s, {result['completed']}/"
           f"{result['requests']} done, stopped (exit {code})", file=sys.stderr)
     return {"server": name, "command": command, "settings": settings or {}, "startup_s": round(startup, 2),
@@ -425,12 +434,12 @@ def engine_line(name: str, steps: dict) -> str:
 
 
 def step_line(name: str, logged: dict) -> str:
-    """One omlx server's logged steps (--step-log, its last round, the warm-up included)."""
+    """One omlx server's logged steps of the measured level (--step-log, its last round)."""
     prefill, decode = logged["prefill_steps"], logged["decode_steps"]
-    shown = ", ".join(f"{ms:.0f} ms/{tokens} tok" for ms, _, tokens in prefill)
-    return (f"{name} steps logged: {decode['count']} decode-only, median {_num(decode['median_ms'])} ms, "
-            f"p90 {_num(decode['p90_ms'])} ms; {len(prefill)} with prefill, "
-            f"{sum(ms for ms, _, _ in prefill):,.0f} ms in all: {shown}")
+    shown = ", ".join(f"{ms:.0f} ms/{tokens} tok" for _, ms, _, tokens in prefill)
+    return (f"{name} steps of the level: {decode['count']} decode-only, {decode['sum_ms']:,.0f} ms (median "
+            f"{_num(decode['median_ms'])}, p90 {_num(decode['p90_ms'])}); {len(prefill)} admitting, "
+            f"{sum(ms for _, ms, _, _ in prefill):,.0f} ms: {shown}; outside steps {logged['outside_steps_ms']:,.0f} ms")
 
 
 def main() -> None:

@@ -161,7 +161,7 @@ async def _send(client, server: Server, text: str, max_tokens: int) -> RequestRe
 
 
 def _level_result(concurrency: int, ctx: int, gen: int, records: list[RequestRecord],
-                  wall_s: float) -> dict:
+                  wall_s: float, started: float) -> dict:
     done = [r for r in records if r.ok]
     errors = Counter(r.status for r in records if not r.ok)
     tokens = sum(r.completion_tokens for r in done)
@@ -173,6 +173,8 @@ def _level_result(concurrency: int, ctx: int, gen: int, records: list[RequestRec
     return {
         "concurrency": concurrency, "ctx": ctx, "gen": gen, "requests": len(records),
         "completed": len(done), "errors": dict(sorted(errors.items())), "wall_s": wall_s,
+        # on this machine's monotonic clock (a local server's logs can be lined up with it)
+        "window_s": [started, started + wall_s],
         "request_throughput_rps": len(done) / wall_s if wall_s > 0 else None,
         "generation_tps": tokens / wall_s if wall_s > 0 else None,
         "prompt_tokens_mean": sum(prompts) / len(prompts) if prompts else None,
@@ -182,7 +184,8 @@ def _level_result(concurrency: int, ctx: int, gen: int, records: list[RequestRec
 
 
 async def _level(client, server: Server, texts: list[str], concurrency: int, gen: int,
-                 tick: Callable[[], None]) -> tuple[list[RequestRecord], float]:
+                 tick: Callable[[], None]) -> tuple[list[RequestRecord], float, float]:
+    """The level's records, its wall seconds and its start on the monotonic clock."""
     queue = list(enumerate(texts))
     records: list[RequestRecord | None] = [None] * len(texts)
 
@@ -192,9 +195,9 @@ async def _level(client, server: Server, texts: list[str], concurrency: int, gen
             records[index] = await _send(client, server, text, gen)
             tick()
 
-    start = time.perf_counter()
+    started, start = time.monotonic(), time.perf_counter()
     await asyncio.gather(*(worker() for _ in range(min(concurrency, len(texts)))))
-    return records, time.perf_counter() - start
+    return records, time.perf_counter() - start, started
 
 
 async def _calibrate(client, server: Server, ctx: int, seed: int) -> float:
@@ -235,8 +238,8 @@ async def _run(server: Server, workload: ServingWorkload, on_progress: Progress)
                 texts = [text_prompt(words, workload.seed, 2, concurrency, i)
                          for i in range(count)]
                 on_progress(done, total, f"ctx {ctx} x{concurrency}")
-                records, wall = await _level(client, server, texts, concurrency, workload.gen, tick)
-                results.append(_level_result(concurrency, ctx, workload.gen, records, wall))
+                records, wall, started = await _level(client, server, texts, concurrency, workload.gen, tick)
+                results.append(_level_result(concurrency, ctx, workload.gen, records, wall, started))
     return results
 
 

@@ -296,8 +296,9 @@ class Engine:
         self.metrics.step.labels(model_id, phase).observe(seconds)
         new_sizes = self._new_decode_sizes(model, generator.decoded_rows)
         if log.isEnabledFor(logging.DEBUG):  # every step's shape, for `serve.py --step-log`
-            log.debug("%s: %s step %.2f ms, %d sequences decoded, %d prompt tokens prefilled", model_id, phase,
-                      seconds * 1e3, generator.decoded_rows, generator.prefilled_tokens)
+            log.debug("%s: %s step at %.4f: %.2f ms, %d sequences decoded, %d prompt tokens prefilled", model_id,
+                      phase, time.monotonic() - seconds, seconds * 1e3, generator.decoded_rows,
+                      generator.prefilled_tokens)
         if seconds > SLOW_STEP_S:
             log.info("%s: a step took %.2f s (%d sequences decoded, %d prompts prefilling; %s)", model_id, seconds,
                      generator.decoded_rows, len(prompt_responses),
