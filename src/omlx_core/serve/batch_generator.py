@@ -165,10 +165,11 @@ class JoiningGenerationBatch(FilterOnce, GenerationBatch):
 
     def filter(self, keep: list[int]) -> None:
         rows = [getattr(c, "_idx", None) for c in self.prompt_cache]
+        gathered = keep != list(range(len(self.uids)))  # else the same arrays (filter_caches)
         super().filter(keep)
         self._joining = [self._joining[i] for i in keep]
-        # gathered into new arrays; where the left padding shrank they are views: left alone
-        settle([c for c, row in zip(self.prompt_cache, rows) if getattr(c, "_idx", None) == row])
+        if gathered:  # into new arrays; where the left padding shrank they are views: left alone
+            settle([c for c, row in zip(self.prompt_cache, rows) if getattr(c, "_idx", None) == row])
 
     def _step(self) -> tuple[list[int], list]:
         """GenerationBatch._step without the rows' log-probabilities split apart (omlx's API
