@@ -69,14 +69,19 @@ def test_the_baseline_runs_another_checkouts_code(tiny_home, tmp_path):
     marks = tmp_path / "imports.txt"
     init = other / "src" / "omlx_core" / "__init__.py"
     init.write_text(init.read_text() + f"\nopen({str(marks)!r}, 'a').write('imported\\n')\n")
+    engine = other / "src" / "omlx_core" / "serve" / "engine.py"  # as a checkout before the step log
+    engine.write_text(engine.read_text().replace("log.isEnabledFor(logging.DEBUG)", "False"))
     done = serve_bench(tiny_home, "--concurrency", "1", "--requests", "1", "--ctx", "8", "--gen", "2",
-                       "--against", "omlx", "--against-src", str(other), "--quiet", "--json")
+                       "--against", "omlx", "--against-src", str(other), "--step-log", "--quiet", "--json")
     assert done.returncode == 0, done.stderr
     report = json.loads(done.stdout)
     assert report["settings"]["omlx-baseline"]["PYTHONPATH"].split(os.pathsep)[0] == str(other / "src")
     assert "PYTHONPATH" not in report["settings"]["omlx"]
     assert marks.is_file() and marks.read_text().count("imported") >= 1  # the baseline server's process
     assert report["summary"]["omlx"]["completed"] == report["summary"]["omlx-baseline"]["completed"] == 1
+    # --step-log: the other checkout logs no steps, so it reports none (not an idle level)
+    assert report["rounds"]["omlx-baseline"][0]["step_log"] is None
+    assert report["rounds"]["omlx"][0]["step_log"]["decode_steps"]["count"] >= 1
 
 
 def test_another_checkout_must_have_omlx_core(tiny_home, tmp_path):

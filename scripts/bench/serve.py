@@ -202,16 +202,20 @@ STEP_LINE = re.compile(r": (prefill|decode) step at ([\d.]+): ([\d.]+) ms, (\d+)
                        r"(\d+) prompt tokens prefilled")
 
 
-def step_log(log: Path, window: list[float]) -> dict:
+def step_log(log: Path, window: list[float]) -> dict | None:
     """The engine steps an omlx server logged at debug level (--step-log) that began within
     the measured level's `window` (the client's monotonic clock, which a local server's
     shares): each step that admitted prompts (the engine's prefill phase: a prefill chunk or
     prompts joining) as [seconds into the level, ms, sequences decoded, prompt tokens
     prefilled], the decode-only steps' count and ms (median, p90, sum), and the ms of the
-    level that no step took (the engine between steps, or idle)."""
+    level that no step took (the engine between steps, or idle). None where the server logged
+    no step at all (a checkout from before the engine logged them)."""
     start, end = window
     prefill, decode = [], []
-    for match in STEP_LINE.finditer(log.read_text(errors="replace")):
+    matches = list(STEP_LINE.finditer(log.read_text(errors="replace")))
+    if not matches:
+        return None
+    for match in matches:
         at, ms, decoded, tokens = float(match[2]), float(match[3]), int(match[4]), int(match[5])
         if not start <= at <= end:
             continue
