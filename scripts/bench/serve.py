@@ -483,8 +483,8 @@ def main() -> None:
     parser.add_argument("--log-dir", default=None, help="keep server logs here (default: a temp dir)")
     parser.add_argument("--keep-logs", action="store_true", help="keep the temp dir of server logs")
     parser.add_argument("--step-log", action="store_true",
-                        help="omlx servers log every engine step (debug level); the report lists each step "
-                             "that prefilled and sums the decode-only ones")
+                        help="omlx servers log every engine step (debug level); the report gives the measured "
+                             "level's admitting steps one by one, its decode-only steps summed")
     parser.add_argument("--quiet", action="store_true", help="no progress on stderr")
     parser.add_argument("--json", action="store_true", help="print one JSON report")
     args = parser.parse_args()

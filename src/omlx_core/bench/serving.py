@@ -195,9 +195,9 @@ async def _level(client, server: Server, texts: list[str], concurrency: int, gen
             records[index] = await _send(client, server, text, gen)
             tick()
 
-    started, start = time.monotonic(), time.perf_counter()
+    started = time.monotonic()
     await asyncio.gather(*(worker() for _ in range(min(concurrency, len(texts)))))
-    return records, time.perf_counter() - start, started
+    return records, time.monotonic() - started, started
 
 
 async def _calibrate(client, server: Server, ctx: int, seed: int) -> float:
