@@ -42,7 +42,11 @@ baseline checkout that does not log steps reports none).
 Every request streams `max_tokens` = --gen with `ignore_eos`; omlx honours it, mlx_lm.server
 does not and may stop at EOS, so tokens are counted as each server reports them and the
 table shows tokens per request: compare tok/s only where both reached --gen. Generation
-tok/s is aggregate: completion tokens of all requests / wall time of the level.
+tok/s is aggregate: completion tokens of all requests / wall time of the level. TTFT is the
+first event with text, so on a model of random weights (the generated benchmark models, the
+tests' tiny ones) its tail is not the server's: a sequence of byte tokens that never make
+valid UTF-8 shows no text until its last token (3 of 64 greedy sequences of the tiny llama,
+whose streams then arrive whole at the end).
 
 Order: round r runs the two servers in the order --first, other when r is even and the
 reverse when it is odd (A B, B A, A B, …), so slow drift (thermal, page cache, another job)
