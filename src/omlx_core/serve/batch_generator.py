@@ -37,9 +37,6 @@ from mlx_lm.models.cache import BatchKVCache, TokenBuffer
 from omlx_core.kernels.sdpa_decode import own_buffers
 
 
-NO_LOGPROBS = mx.zeros((0,))  # what a response holds for its logprobs: omlx reports none
-
-
 def settle(caches: list) -> None:
     """Evaluate the batch caches' buffers that a merge or filter just made (async, as a
     submission of their own) and let the next step append to them in place."""
@@ -149,7 +146,7 @@ class JoiningGenerationBatch(FilterOnce, GenerationBatch):
         batch.stop_sequences = list(prompts.stop_sequences)
         batch.max_tokens = list(prompts.max_tokens)
         batch._next_tokens = mx.array(last_tokens, dtype=mx.uint32)
-        batch._next_logprobs = [NO_LOGPROBS] * count
+        batch._next_logprobs = [None] * count  # omlx reports no logprobs (see _step)
         batch._token_context = [TokenBuffer(t) for t in batch.tokens]
         batch._num_tokens = [0] * count
         batch._matchers = [s.matcher() for s in batch.stop_sequences]
@@ -190,7 +187,7 @@ class JoiningGenerationBatch(FilterOnce, GenerationBatch):
         tokens = inputs.tolist()
         for row, token in zip(self.tokens, tokens):
             row.append(token)
-        self._current_logprobs = self._next_logprobs = [NO_LOGPROBS] * len(tokens)
+        self._current_logprobs = self._next_logprobs = [None] * len(tokens)  # mx.eval skips None
         return tokens, self._current_logprobs
 
     def next(self) -> list:
