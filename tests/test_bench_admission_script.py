@@ -50,3 +50,20 @@ def test_an_unknown_generator_is_a_one_line_error(tiny_home):
     done = subprocess.run([sys.executable, str(SCRIPT), "--home", str(tiny_home), "--model", TINY,
                            "--generators", "vllm"], capture_output=True, text=True, timeout=120, env=omlx_env(tiny_home))
     assert done.returncode != 0 and "--generators 'vllm'" in done.stderr
+
+
+def test_finish_trials_time_a_window_where_sequences_finish_against_the_one_before(tiny_home):
+    rows = admission(tiny_home, "--batches", "1", "--tokens", "8", "--repeats", "1", "--running", "1", "--new", "1",
+                     "--trials", "1", "--finish", "1,3", "--finish-running", "3", "--window", "4",
+                     "--generators", "omlx,mlx-lm")["finish"]
+    assert [(r["generator"], r["finishing"]) for r in rows] == [("omlx", 1), ("omlx", 3), ("mlx-lm", 1), ("mlx-lm", 3)]
+    for row in rows:
+        assert row["running"] == 3 and row["finished"] == row["finishing"]  # they finished inside the timed window
+        assert row["steady_ms"] > 0 and row["finish_ms"] > 0
+        assert abs(row["excess_ms"] - (row["finish_ms"] - row["steady_ms"])) <= 0.11  # each rounded to 0.1
+
+
+def test_more_sequences_finishing_than_running_is_a_one_line_error(tiny_home):
+    done = subprocess.run([sys.executable, str(SCRIPT), "--home", str(tiny_home), "--model", TINY, "--finish", "5",
+                           "--finish-running", "4"], capture_output=True, text=True, timeout=120, env=omlx_env(tiny_home))
+    assert done.returncode != 0 and "--finish 5: between 1 and --finish-running (4)" in done.stderr

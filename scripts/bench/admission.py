@@ -23,9 +23,17 @@ to generation decoded on their own), `merge` (joined to the running batch) and `
 (the prompt batch's forward). `--no-clear-cache` makes the MLX `clear_cache` that mlx-lm
 calls after each prompt chunk a no-op, to see what it costs.
 
+Finish trials (`--finish K[,K...]`): --finish-running sequences decode (prompts of L tokens), K
+of them finish together half-way through a window of --window steps, run as the engine runs
+them (each step's tokens read while the next computes, waited for only at the window's two
+ends), and the window is timed against the one just before it, where every row decodes and
+none finishes: `excess_ms` is what the finish cost, its filter of the caches included (and
+in mlx-lm's generator, each finished row's cache taken out).
+
     python scripts/bench/admission.py --model PATH [--home DIR] [--batches 1,8,16,32]
         [--tokens 128[,L...]] [--spread 8] [--running 16] [--new 16[,N...]] [--trials 3]
-        [--phases] [--no-clear-cache] [--json]
+        [--phases] [--no-clear-cache] [--finish K[,K...]] [--finish-running 32] [--window 8]
+        [--generators omlx,mlx-lm] [--json]
 """
 
 import argparse
@@ -159,6 +167,49 @@ def admissions(model, kind: str, running: int, news: list[int], tokens: int, spr
     return rows
 
 
+def pipelined_ms(generator, steps: int) -> tuple[float, list]:
+    """ms of `steps` generator steps run as the engine runs them (each step's tokens read while
+    the next computes; waited for only at both ends), and their generation responses."""
+    import mlx.core as mx
+
+    responses = []
+    mx.synchronize()
+    start = time.perf_counter()
+    for _ in range(steps):
+        responses += generator.next()[1]
+    mx.synchronize()
+    return (time.perf_counter() - start) * 1000, responses
+
+
+def finishes(model, kind: str, running: int, counts: list[int], tokens: int, window: int, trials: int,
+             rng: random.Random) -> list[dict]:
+    """What sequences finishing costs the steps around them: `running` sequences decode, and
+    `count` of them finish together in the middle of a window of `window` pipelined steps,
+    against the window just before it (every row decoding, none finishing)."""
+    make_generator, _ = generator_parts(kind)
+    vocab = model.args.vocab_size
+    generator = make_generator(model, completion_batch_size=running, prefill_batch_size=running)
+    last = 2 + window + window // 2  # the finishing rows' last token: half-way through the second window
+    rows = []
+    try:
+        for count in (c for c in counts for _ in range(trials)):
+            prompts = [[rng.randrange(1, vocab) for _ in range(tokens)] for _ in range(running)]
+            uids = generator.insert(prompts, max_tokens=[last] * count + [10_000] * (running - count))
+            made = 0  # tokens of a finishing row (they all start together)
+            while made < 2:
+                made += sum(r.uid == uids[0] for r in generator.next()[1])
+            steady_ms, _ = pipelined_ms(generator, window)
+            finish_ms, responses = pipelined_ms(generator, window)
+            finished = sum(r.finish_reason is not None for r in responses)
+            generator.remove(uids[count:])
+            rows.append({"generator": kind, "running": running, "finishing": count, "finished": finished,
+                         "steady_ms": round(steady_ms, 1), "finish_ms": round(finish_ms, 1),
+                         "excess_ms": round(finish_ms - steady_ms, 1)})
+    finally:
+        generator.close()
+    return rows
+
+
 def run(args) -> dict:
     import mlx.core as mx
 
@@ -174,6 +225,10 @@ def run(args) -> dict:
         report["admission"] = [row for kind in args.generators
                                for row in admissions(model, kind, args.running, args.new, args.tokens[0], args.spread,
                                                      args.trials, rng, args.phases)]
+        if args.finish:
+            report["finish"] = [row for kind in args.generators
+                                for row in finishes(model, kind, args.finish_running, args.finish, args.tokens[0],
+                                                    args.window, args.trials, rng)]
     finally:
         mx.clear_cache = clear_cache
     return report
@@ -195,13 +250,24 @@ def main() -> None:
     parser.add_argument("--phases", action="store_true",
                         help="time each admission step's parts (decode, prefill, join or split and merge), each waited for")
     parser.add_argument("--no-clear-cache", action="store_true", help="mlx-lm's clear_cache a no-op")
+    parser.add_argument("--finish", default="", help="sequences finishing together, comma-separated: --trials "
+                        "each (none by default)")
+    parser.add_argument("--finish-running", type=int, default=32, help="sequences decoding when some finish")
+    parser.add_argument("--window", type=int, default=8, help="pipelined steps a finish is timed in")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     try:
         args.batches, args.tokens, args.new = (parse_counts(getattr(args, name), f"--{name}")
                                                for name in ("batches", "tokens", "new"))
+        args.finish = parse_counts(args.finish, "--finish") if args.finish else []
     except OmlxError as error:
         raise SystemExit(f"admission.py: {error}") from None
+    wrong = [count for count in args.finish if not 1 <= count <= args.finish_running]
+    if wrong:
+        raise SystemExit(f"admission.py: --finish {wrong[0]}: between 1 and --finish-running "
+                         f"({args.finish_running}) sequences can finish")
+    if args.window < 2:
+        raise SystemExit(f"admission.py: --window {args.window}: use 2 or more steps")
     args.generators = args.generators.split(",")
     unknown = [kind for kind in args.generators if kind not in GENERATORS]
     if unknown:
@@ -215,6 +281,9 @@ def main() -> None:
     for row in report["admission"]:
         print(f"{row['generator']} admission of {row['new']}: decode {row['decode_ms']} ms before; "
               f"steps (ms, prompts, generating) {row['steps']}")
+    for row in report.get("finish", []):
+        print(f"{row['generator']}: {row['finishing']} of {row['running']} finishing: {row['finish_ms']} ms for "
+              f"{args.window} pipelined steps against {row['steady_ms']} ms before ({row['excess_ms']:+} ms)")
 
 
 if __name__ == "__main__":
