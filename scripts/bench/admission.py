@@ -167,20 +167,6 @@ def admissions(model, kind: str, running: int, news: list[int], tokens: int, spr
     return rows
 
 
-def pipelined_ms(generator, steps: int) -> tuple[float, list]:
-    """ms of `steps` generator steps run as the engine runs them (each step's tokens read while
-    the next computes; waited for only at both ends), and their generation responses."""
-    import mlx.core as mx
-
-    responses = []
-    mx.synchronize()
-    start = time.perf_counter()
-    for _ in range(steps):
-        responses += generator.next()[1]
-    mx.synchronize()
-    return (time.perf_counter() - start) * 1000, responses
-
-
 def finishes(model, kind: str, running: int, counts: list[int], tokens: int, window: int, trials: int,
              rng: random.Random) -> list[dict]:
     """What sequences finishing costs the steps around them: `running` sequences decode, and
@@ -190,6 +176,12 @@ def finishes(model, kind: str, running: int, counts: list[int], tokens: int, win
     vocab = model.args.vocab_size
     generator = make_generator(model, completion_batch_size=running, prefill_batch_size=running)
     last = 2 + window + window // 2  # the finishing rows' last token: half-way through the second window
+
+    def window_steps() -> list:
+        """`window` steps as the engine runs them (each step's tokens read while the next
+        computes; timed_ms waits only at both ends); their generation responses."""
+        return [response for _ in range(window) for response in generator.next()[1]]
+
     rows = []
     try:
         for count in (c for c in counts for _ in range(trials)):
@@ -198,8 +190,8 @@ def finishes(model, kind: str, running: int, counts: list[int], tokens: int, win
             made = 0  # tokens of a finishing row (they all start together)
             while made < 2:
                 made += sum(r.uid == uids[0] for r in generator.next()[1])
-            steady_ms, _ = pipelined_ms(generator, window)
-            finish_ms, responses = pipelined_ms(generator, window)
+            steady_ms, _ = timed_ms(window_steps)
+            finish_ms, responses = timed_ms(window_steps)
             finished = sum(r.finish_reason is not None for r in responses)
             generator.remove(uids[count:])
             rows.append({"generator": kind, "running": running, "finishing": count, "finished": finished,

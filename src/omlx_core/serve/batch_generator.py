@@ -46,10 +46,12 @@ def settle(caches: list) -> None:
         own_buffers(cache)
 
 
-def filter_caches(caches: list, keep: list[int]) -> None:
+def filter_caches(caches: list, keep: list[int]) -> bool:
     """Keep the rows `keep` of a batch's layer caches, as each cache's own `filter` does, but
     with the left padding read back once for all BatchKVCache layers (every layer of a batch
-    holds the same), from the array as it stood, not from the gathered one.
+    holds the same), from the array as it stood, not from the gathered one. True where the
+    BatchKVCache layers now hold whole new arrays (rows gathered, no shift of the padding
+    slicing them into views): what `settle` may hand to the in-place append.
 
     Why: BatchKVCache.filter reads each layer's gathered left padding back to shift it. On a
     GPU the first read waits for the decode step already queued behind it, and the layers'
@@ -61,7 +63,7 @@ def filter_caches(caches: list, keep: list[int]) -> None:
         if type(cache) is not BatchKVCache:
             cache.filter(keep)
     if not batched:
-        return
+        return False
     shift = min(batched[0].left_padding.tolist()[i] for i in keep)
     rows = None if keep == list(range(batched[0].offset.shape[0])) else mx.array(keep)  # None: every row stays
     for cache in batched:
@@ -75,17 +77,20 @@ def filter_caches(caches: list, keep: list[int]) -> None:
             cache._idx -= shift
             cache.left_padding = cache.left_padding - shift
     mx.async_eval([a for c in batched for a in (c.offset, c.left_padding)])  # ready for the next filter's read
+    return rows is not None and shift == 0
 
 
 class FilterOnce:
-    """A prompt or generation batch whose `filter` filters its caches with `filter_caches`."""
+    """A prompt or generation batch whose `filter` filters its caches with `filter_caches`
+    (and returns what it does)."""
 
-    def filter(self, keep: list[int]) -> None:
+    def filter(self, keep: list[int]) -> bool:
         caches, self.prompt_cache = self.prompt_cache, []
         super().filter(keep)  # every list of rows but the caches
-        if keep:
-            filter_caches(caches, keep)
-            self.prompt_cache = caches
+        if not keep:
+            return False
+        self.prompt_cache = caches
+        return filter_caches(caches, keep)
 
 
 def kept_cache_bytes(total_bytes: int) -> int:
@@ -160,13 +165,12 @@ class JoiningGenerationBatch(FilterOnce, GenerationBatch):
         if merged:
             settle(self.prompt_cache)
 
-    def filter(self, keep: list[int]) -> None:
-        rows = [getattr(c, "_idx", None) for c in self.prompt_cache]
-        gathered = keep != list(range(len(self.uids)))  # else the same arrays (filter_caches)
-        super().filter(keep)
+    def filter(self, keep: list[int]) -> bool:
+        fresh = super().filter(keep)
         self._joining = [self._joining[i] for i in keep]
-        if gathered:  # into new arrays; where the left padding shrank they are views: left alone
-            settle([c for c, row in zip(self.prompt_cache, rows) if getattr(c, "_idx", None) == row])
+        if fresh:  # rows gathered into whole new arrays (not the arrays it had, nor views of them)
+            settle(self.prompt_cache)
+        return fresh
 
     def _step(self) -> tuple[list[int], list]:
         """GenerationBatch._step without the rows' log-probabilities split apart (omlx's API
